@@ -1,0 +1,30 @@
+# Two commands for a new user: `make demo` (the main job) and `make test` (the whole suite).
+# Both create .venv on first use; nothing needs installing by hand.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.mechmon-installed
+PYTEST_ARGS ?=
+
+.PHONY: venv test test-slow demo bench clean
+
+$(STAMP): setup.py tools/requirements/pinned-cpu.txt tools/bootstrap_venv.sh
+	bash tools/bootstrap_venv.sh $(VENV)
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest tests -q $(PYTEST_ARGS)
+
+# Opt-in slow tests (long fault-study runs, end-to-end Megatron-LM, SLURM): see tests/README.md.
+test-slow: $(STAMP)
+	MECHMON_SLOW=1 $(PY) -m pytest tests -q -m slow $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(PY) tools/demo.py
+
+bench: $(STAMP)
+	$(PY) tools/bench_monitors.py --hidden 4096 --num-heads 32 --head-dim 128 --json
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

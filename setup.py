@@ -1,0 +1,35 @@
+"""mechmon-megatron: mechanism-driven training-instability monitors for Megatron-LM and DeepSpeed."""
+
+from setuptools import find_packages, setup
+
+# Users keep their own torch build (CUDA, ROCm, CPU); we only state the range we test.
+INSTALL_REQUIRES = ["torch>=2.4", "numpy>=1.24"]
+
+EXTRAS = {
+    "megatron": ["megatron-core>=0.16.1"],
+    "deepspeed": ["deepspeed>=0.17"],
+    "flash": ["flash-attn>=2.6"],  # GPU only
+    "test": [
+        "pytest>=8",
+        "hypothesis>=6.100",
+        "tensorboard>=2.16",
+        "matplotlib>=3.8",
+        "tqdm>=4.66",
+    ],
+}
+
+setup(
+    name="mechmon-megatron",
+    version="0.1.0",
+    description=(
+        "Mechanism-driven monitors (QK-increment spectral entropy, MoE routing entropy) "
+        "for Megatron-LM and DeepSpeed pre-training"
+    ),
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["mechmon_megatron", "mechmon_megatron.*"]),
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS,
+    license="Apache-2.0",
+)
