@@ -1,0 +1,97 @@
+"""``--mechmon-*`` command-line flags, shared by every host (Megatron-LM, the example trainer).
+
+``add_mechmon_args`` follows Megatron-LM's ``extra_args_provider`` convention (takes a parser,
+returns it) and can be chained with another provider via ``chain_providers``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable, Optional
+
+from mechmon_megatron.session.config import ACTIONS, MONITOR_FAMILIES, MechmonConfig
+
+ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
+_DEFAULTS = MechmonConfig()
+
+
+def add_mechmon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``--mechmon*`` flags (an argument group named ``mechmon``) and return the parser."""
+    g = parser.add_argument_group(title="mechmon", description="mechanism-driven training monitors")
+    g.add_argument("--mechmon", action="store_true", help="Enable the mechanism monitors.")
+    g.add_argument("--mechmon-interval", type=int, default=_DEFAULTS.interval, help="Check every N iterations.")
+    g.add_argument("--mechmon-delta", type=int, default=_DEFAULTS.delta, help="Increment window (iterations): compare weights at t and t - delta.")
+    g.add_argument(
+        "--mechmon-monitors",
+        type=str,
+        default=",".join(_DEFAULTS.monitors),
+        help=f"Comma-separated monitor families from {list(MONITOR_FAMILIES)}.",
+    )
+    g.add_argument("--mechmon-alpha", type=float, default=_DEFAULTS.alpha, help="Spectral-entropy exponent (2 = energy, 1 = Roy-Vetterli).")
+    g.add_argument("--mechmon-qk-method", type=str, default=_DEFAULTS.qk_method, help="Per-head kernel: gram (fast) or compressed (QR).")
+    g.add_argument("--mechmon-no-full-matrix-dw", action="store_true", help="Skip the full-matrix dW_q/dW_k spectra (saves a TP gather).")
+    g.add_argument("--mechmon-action", type=str, default=_DEFAULTS.action, help=f"On alarm: one of {list(ACTIONS)}.")
+    g.add_argument("--mechmon-exit-code", type=int, default=_DEFAULTS.exit_code, help="Exit code after checkpoint-and-abort (not 0, 1, 16, 17).")
+    g.add_argument("--mechmon-snapshot-device", type=str, default=_DEFAULTS.snapshot_device, help="Where weight snapshots live: auto or cpu.")
+    g.add_argument("--mechmon-log-dir", type=str, default=None, help="Own TensorBoard + JSONL output when the host has no writer.")
+    g.add_argument("--mechmon-drill-at", type=int, default=None, help="Raise a synthetic alarm at this iteration (rehearse the action).")
+    g.add_argument("--mechmon-strict", action="store_true", help="Let monitor exceptions stop training (default: log and count).")
+    g.add_argument("--mechmon-per-head-scalars", action="store_true", help="Also write one Delta2 scalar per head.")
+    g.add_argument("--mechmon-detector-warmup", type=int, default=_DEFAULTS.detector_warmup, help="Checks forming each stream's baseline.")
+    g.add_argument("--mechmon-detector-window", type=int, default=_DEFAULTS.detector_window, help="Past checks in the median/MAD baseline.")
+    g.add_argument("--mechmon-detector-num-mads", type=float, default=_DEFAULTS.detector_num_mads, help="Alarm band width in robust sigmas (1.4826 MAD).")
+    g.add_argument(
+        "--mechmon-detector-min-rel-change",
+        type=float,
+        default=_DEFAULTS.detector_min_rel_change,
+        help="Minimum band half-width relative to |baseline|.",
+    )
+    g.add_argument("--mechmon-detector-patience", type=int, default=_DEFAULTS.detector_patience, help="Consecutive out-of-band checks to alarm.")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> MechmonConfig:
+    """Build and validate the session config; ``ValueError`` names the offending flag."""
+    monitors = tuple(m.strip() for m in str(args.mechmon_monitors).split(",") if m.strip())
+    return MechmonConfig(
+        enabled=bool(args.mechmon),
+        interval=args.mechmon_interval,
+        delta=args.mechmon_delta,
+        monitors=monitors,
+        alpha=args.mechmon_alpha,
+        qk_method=args.mechmon_qk_method,
+        full_matrix_dw=not args.mechmon_no_full_matrix_dw,
+        action=args.mechmon_action,
+        exit_code=args.mechmon_exit_code,
+        snapshot_device=args.mechmon_snapshot_device,
+        log_dir=args.mechmon_log_dir,
+        drill_at=args.mechmon_drill_at,
+        strict=bool(args.mechmon_strict),
+        per_head_scalars=bool(args.mechmon_per_head_scalars),
+        detector_warmup=args.mechmon_detector_warmup,
+        detector_window=args.mechmon_detector_window,
+        detector_num_mads=args.mechmon_detector_num_mads,
+        detector_min_rel_change=args.mechmon_detector_min_rel_change,
+        detector_patience=args.mechmon_detector_patience,
+    )
+
+
+def validate_mechmon_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> MechmonConfig:
+    """Parse-time validation: exits through ``parser.error`` (status 2) naming the bad flag."""
+    try:
+        return config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits
+
+
+def chain_providers(*providers: Optional[ArgsProvider]) -> ArgsProvider:
+    """One ``extra_args_provider`` that applies each non-None provider in order."""
+
+    def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        for p in providers:
+            if p is not None:
+                parser = p(parser) or parser
+        return parser
+
+    return provider

@@ -1,0 +1,77 @@
+"""The alert record: what alarmed, where, and which checkpoint to roll back to."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+ALERT_FILENAME = "mechmon_alert.json"
+
+
+@dataclass
+class Alert:
+    """One alarm, attributed to a monitor family, a global layer and (for attention) a head."""
+
+    iteration: int
+    family: str
+    stream: str
+    layer: Optional[int]
+    head: Optional[int]
+    value: float
+    baseline: Optional[float]
+    threshold: Optional[float]
+    first_warning_step: Optional[int]
+    reason: str = ""
+
+    def describe(self) -> str:
+        where = f"layer {self.layer}" if self.layer is not None else "job"
+        if self.head is not None:
+            where += f" head {self.head}"
+        detail = f"value {self.value:.6g}"
+        if self.baseline is not None:
+            detail += f", baseline {self.baseline:.6g}, threshold {self.threshold:.6g}"
+        return f"[mechmon] ALARM at iteration {self.iteration}: {self.family} {where} ({self.stream}): {detail}. {self.reason}".strip()
+
+
+@dataclass
+class AlertReport:
+    """Content of ``mechmon_alert.json``."""
+
+    iteration: int
+    alerts: list[Alert]
+    checkpoint_dir: Optional[str]
+    last_checkpoint_before_first_warning: Optional[dict]
+    exit_code: Optional[int]
+    action: str
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        first = self.alerts[0] if self.alerts else None
+        body = {
+            "iteration": self.iteration,
+            "family": first.family if first else None,
+            "layer": first.layer if first else None,
+            "head": first.head if first else None,
+            "value": first.value if first else None,
+            "baseline": first.baseline if first else None,
+            "threshold": first.threshold if first else None,
+            "first_warning_step": first.first_warning_step if first else None,
+            "last_checkpoint_before_first_warning": self.last_checkpoint_before_first_warning,
+            "checkpoint_dir": self.checkpoint_dir,
+            "action": self.action,
+            "exit_code": self.exit_code,
+            "alerts": [asdict(a) for a in self.alerts],
+        }
+        body.update(self.extra)
+        return body
+
+    def write(self, directory: str) -> str:
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, ALERT_FILENAME)
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(self.to_json(), f, indent=2, allow_nan=True)
+        os.replace(tmp, path)  # readers never see a half-written alert
+        return path

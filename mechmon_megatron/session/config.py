@@ -1,0 +1,123 @@
+"""Configuration of a monitoring session (host-agnostic).
+
+Every field maps one-to-one onto a ``--mechmon-*`` flag (``mechmon_megatron.cli.args``) and onto a
+key of the ``"mechmon"`` section of a DeepSpeed config (snake_case of the same name).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+MONITOR_FAMILIES = ("attn", "router")
+ACTIONS = ("log", "warn", "checkpoint-and-abort")
+RESERVED_EXIT_CODES = {0: "success", 1: "generic Python failure", 16: "Megatron rerun machine", 17: "Megatron rerun machine"}
+
+
+@dataclass(kw_only=True)
+class MechmonConfig:
+    """What the session monitors, how often, and what it does on an alarm."""
+
+    enabled: bool = False
+    """Master switch. A disabled session allocates nothing and registers no hooks."""
+
+    interval: int = 100
+    """Run a check every ``interval`` optimizer steps (iterations)."""
+
+    delta: int = 100
+    """Increment window in steps: a check at step t compares weights at t and t - delta."""
+
+    monitors: tuple[str, ...] = MONITOR_FAMILIES
+    """Monitor families to run: ``attn`` (Q/K increment spectra) and/or ``router`` (MoE)."""
+
+    alpha: float = 2.0
+    """Exponent of the spectral entropy: p_i = s_i^alpha / sum_j s_j^alpha (1 or 2 usual)."""
+
+    qk_method: Literal["gram", "compressed"] = "gram"
+    """Kernel for the per-head Delta spectra; both are exact up to round-off (see monitors)."""
+
+    full_matrix_dw: bool = True
+    """Also compute the spectrum of the whole layer's dW_q and dW_k (one owning rank per layer)."""
+
+    action: Literal["log", "warn", "checkpoint-and-abort"] = "warn"
+    """``log``: scalars only; ``warn``: also a warning line per alarm; ``checkpoint-and-abort``:
+    save a checkpoint on every rank, write ``mechmon_alert.json``, exit with ``exit_code``."""
+
+    exit_code: int = 42
+    """Process exit code after checkpoint-and-abort; non-zero and not 1, 16 or 17."""
+
+    snapshot_device: Literal["auto", "cpu"] = "auto"
+    """Where the t - delta weight snapshots live: ``auto`` = the weight's device, ``cpu`` = host."""
+
+    log_dir: Optional[str] = None
+    """Own TensorBoard/JSONL output directory when the host provides no writer."""
+
+    drill_at: Optional[int] = None
+    """Raise a synthetic alarm at this iteration to rehearse the action path."""
+
+    strict: bool = False
+    """Re-raise monitor exceptions (default: log them, count them in ``mechmon/errors``, go on)."""
+
+    per_head_scalars: bool = False
+    """Write one scalar per head (many series); by default only layer mean/min and worst head."""
+
+    router_entropy_bins: int = 512
+    """Histogram bins over [0, log E] for routing-entropy quantiles (error <= log E / bins)."""
+
+    detector_warmup: int = 10
+    """Checks that form a stream's baseline before it may alarm."""
+
+    detector_window: int = 50
+    """Past checks in the robust (median/MAD) baseline."""
+
+    detector_num_mads: float = 6.0
+    """Alarm band: baseline -/+ num_mads * 1.4826 * MAD."""
+
+    detector_min_rel_change: float = 0.05
+    """Floor on the alarm band relative to |baseline| (near-constant streams)."""
+
+    detector_patience: int = 3
+    """Consecutive out-of-band checks before an alarm (the first one is a warning)."""
+
+    extra: dict = field(default_factory=dict)
+    """Host-specific extras (ignored by the session)."""
+
+    def __post_init__(self) -> None:
+        self.monitors = tuple(self.monitors)
+        _require(self.interval >= 1, "interval", f"must be >= 1, got {self.interval}")
+        _require(self.delta >= 1, "delta", f"must be >= 1, got {self.delta}")
+        unknown = [m for m in self.monitors if m not in MONITOR_FAMILIES]
+        _require(not unknown, "monitors", f"unknown families {unknown}; choose from {list(MONITOR_FAMILIES)}")
+        _require(len(self.monitors) > 0, "monitors", "must name at least one family")
+        _require(self.alpha > 0, "alpha", f"must be > 0, got {self.alpha}")
+        _require(self.qk_method in ("gram", "compressed"), "qk-method", f"must be gram or compressed, got {self.qk_method!r}")
+        _require(self.action in ACTIONS, "action", f"must be one of {list(ACTIONS)}, got {self.action!r}")
+        _require(
+            self.exit_code not in RESERVED_EXIT_CODES and 0 < self.exit_code < 256,
+            "exit-code",
+            f"must be in 2..255 and not 16 or 17 (reserved: {RESERVED_EXIT_CODES}), got {self.exit_code}",
+        )
+        _require(self.snapshot_device in ("auto", "cpu"), "snapshot-device", f"must be auto or cpu, got {self.snapshot_device!r}")
+        _require(self.drill_at is None or self.drill_at >= 1, "drill-at", f"must be >= 1, got {self.drill_at}")
+        _require(self.router_entropy_bins >= 8, "router-entropy-bins", f"must be >= 8, got {self.router_entropy_bins}")
+        _require(self.detector_warmup >= 2, "detector-warmup", f"must be >= 2, got {self.detector_warmup}")
+        _require(self.detector_window >= 2, "detector-window", f"must be >= 2, got {self.detector_window}")
+        _require(self.detector_num_mads > 0, "detector-num-mads", f"must be > 0, got {self.detector_num_mads}")
+        _require(self.detector_min_rel_change >= 0, "detector-min-rel-change", f"must be >= 0, got {self.detector_min_rel_change}")
+        _require(self.detector_patience >= 1, "detector-patience", f"must be >= 1, got {self.detector_patience}")
+
+    def is_check_step(self, iteration: int) -> bool:
+        """True when ``iteration`` (1-based, after the optimizer step) runs a check."""
+        return self.enabled and iteration % self.interval == 0
+
+    def is_snapshot_step(self, iteration: int) -> bool:
+        """True when a weight snapshot must be taken after ``iteration`` for a later check."""
+        return self.enabled and "attn" in self.monitors and (iteration + self.delta) % self.interval == 0
+
+    def is_drill_step(self, iteration: int) -> bool:
+        return self.enabled and self.drill_at is not None and iteration == self.drill_at
+
+
+def _require(ok: bool, flag: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"--mechmon-{flag} {message}")

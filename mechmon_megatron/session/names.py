@@ -1,0 +1,53 @@
+"""Every scalar the session writes, declared in one place.
+
+All names live under ``mechmon/``; ``L`` is the GLOBAL 1-based layer number (megatron-core's
+``layer_number``), ``H`` a global 0-based query-head index. Values are per check step.
+
+Attention (family ``attn``), per layer:
+    mechmon/attn/delta2_entropy/layer_L        mean over heads of the Delta2 spectral entropy (nats)
+    mechmon/attn/delta2_entropy_min/layer_L    smallest head's Delta2 entropy (nats)
+    mechmon/attn/delta2_norm_entropy/layer_L   mean over heads of H / log(rank)
+    mechmon/attn/delta2_eff_rank/layer_L       mean over heads of exp(H)
+    mechmon/attn/delta1_entropy/layer_L, mechmon/attn/delta3_entropy/layer_L (means over heads)
+    mechmon/attn/delta3_to_delta2/layer_L      mean over heads of ||Delta3||_F / ||Delta2||_F
+    mechmon/attn/dwq_head_entropy/layer_L, mechmon/attn/dwk_head_entropy/layer_L
+                                               mean over heads (groups) of per-head dW entropy
+    mechmon/attn/dw_entropy/layer_L            entropy of the full-matrix dW_q of the layer
+    mechmon/attn/dwk_entropy/layer_L           entropy of the full-matrix dW_k of the layer
+    mechmon/attn/dw_stable_rank/layer_L        stable rank of the full-matrix dW_q
+    mechmon/attn/dw_fro_norm/layer_L           ||dW_q||_F over the window
+    mechmon/attn/wq_spectral_norm/layer_L      largest singular value of the layer's W_q (now)
+    (with per_head_scalars) mechmon/attn/delta2_entropy/layer_L/head_H
+Router (family ``router``), per MoE layer:
+    mechmon/router/token_entropy/layer_L       mean full-softmax routing entropy per token (nats)
+    mechmon/router/token_entropy_norm/layer_L  the same divided by log E
+    mechmon/router/token_entropy_p05/layer_L   5 % quantile over tokens (p01, p10 likewise)
+    mechmon/router/weight_similarity/layer_L   mean off-diagonal cosine similarity S of router rows
+    mechmon/router/eps/layer_L                 conditioning ratio max_i ||w_i - w_bar|| / ||w_bar||
+    mechmon/router/max_vio/layer_L             max expert load / mean load - 1 (top-k counts)
+    mechmon/router/load_fraction_min/layer_L, mechmon/router/load_fraction_max/layer_L
+Session:
+    mechmon/alarm         1 when any stream alarmed at this check (the action ran), else 0
+    mechmon/warnings      number of streams out of band at this check (not yet alarms)
+    mechmon/overhead_ms   wall time the session spent on this step (snapshot + check), ms
+    mechmon/errors        cumulative count of monitor exceptions swallowed (non-strict mode)
+"""
+
+from __future__ import annotations
+
+PREFIX = "mechmon"
+ALARM = f"{PREFIX}/alarm"
+WARNINGS = f"{PREFIX}/warnings"
+OVERHEAD_MS = f"{PREFIX}/overhead_ms"
+ERRORS = f"{PREFIX}/errors"
+
+
+def attn(metric: str, layer_number: int, head: int | None = None) -> str:
+    """``mechmon/attn/<metric>/layer_L[/head_H]``."""
+    name = f"{PREFIX}/attn/{metric}/layer_{layer_number}"
+    return name if head is None else f"{name}/head_{head}"
+
+
+def router(metric: str, layer_number: int) -> str:
+    """``mechmon/router/<metric>/layer_L``."""
+    return f"{PREFIX}/router/{metric}/layer_{layer_number}"

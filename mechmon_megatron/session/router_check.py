@@ -1,0 +1,75 @@
+"""One MoE router's check: full-softmax routing entropy, load, and router-weight geometry."""
+
+from __future__ import annotations
+
+import torch
+
+from mechmon_megatron.monitors.router import (
+    RouterEntropySummary,
+    router_conditioning_ratio,
+    router_weight_similarity,
+    summarize_routing,
+)
+from mechmon_megatron.session import names
+from mechmon_megatron.session.attention_check import CheckOutput, Stream
+from mechmon_megatron.session.host import RouterSite
+
+ROUTER_ENTROPY = "router_entropy"
+ROUTER_WEIGHTS = "router_weights"
+
+
+def empty_vector(site: RouterSite, num_bins: int) -> torch.Tensor:
+    """The flat summary of zero tokens (what a rank contributes if its summary failed)."""
+    return torch.zeros(RouterEntropySummary.flat_size(site.num_experts, num_bins), dtype=torch.float64)
+
+
+def local_router_vector(site: RouterSite, num_bins: int) -> torch.Tensor:
+    """Flat fp64 summary of every micro-batch this rank captured during the check step.
+
+    The ranks of ``site.reduce_sum`` then add their vectors in one all-reduce.
+    """
+    if not site.captured_logits:
+        return empty_vector(site, num_bins)
+    # Summarise where the logits live (GPU on a GPU job); only the small vector moves.
+    summaries = [summarize_routing(logits, site.topk, num_bins=num_bins) for logits in site.captured_logits]
+    total = summaries[0]
+    for other in summaries[1:]:
+        total = total.merge(other)
+    return total.to_flat_tensor().cpu()
+
+
+def router_output(site: RouterSite, flat: torch.Tensor, num_bins: int) -> CheckOutput:
+    """Scalars and detector streams of one router from its reduced summary (reporting rank)."""
+    if not site.reports:
+        return CheckOutput({}, [], [])
+    total = RouterEntropySummary.from_flat_tensor(flat.cpu(), site.num_experts, num_bins)
+    layer = site.layer_number
+    weight = site.weight().detach()
+    if not bool(torch.isfinite(weight).all()):
+        return CheckOutput({}, [], [f"layer {layer}: non-finite router weights"])
+    similarity = float(router_weight_similarity(weight))
+    eps = float(router_conditioning_ratio(weight))
+    scalars: dict = {
+        names.router("weight_similarity", layer): ("value", similarity, 1.0),
+        names.router("eps", layer): ("value", eps, 1.0),
+    }
+    streams = [Stream(names.router("weight_similarity", layer), ROUTER_WEIGHTS, similarity, layer)]
+    nonfinite = []
+    if float(total.num_nonfinite) > 0:
+        nonfinite.append(f"layer {layer}: {int(total.num_nonfinite)} tokens with non-finite router logits")
+    if float(total.num_tokens) > 0:
+        stats = total.finalize()
+        for key, metric in (
+            ("token_entropy_mean", "token_entropy"),
+            ("token_entropy_normalized", "token_entropy_norm"),
+            ("token_entropy_p01", "token_entropy_p01"),
+            ("token_entropy_p05", "token_entropy_p05"),
+            ("token_entropy_p10", "token_entropy_p10"),
+            ("max_vio", "max_vio"),
+            ("load_fraction_min", "load_fraction_min"),
+            ("load_fraction_max", "load_fraction_max"),
+        ):
+            scalars[names.router(metric, layer)] = ("value", float(stats[key]), 1.0)
+        entropy = float(stats["token_entropy_mean"])
+        streams.append(Stream(names.router("token_entropy", layer), ROUTER_ENTROPY, entropy, layer))
+    return CheckOutput(scalars, streams, nonfinite)

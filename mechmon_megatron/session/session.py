@@ -1,0 +1,325 @@
+"""The monitoring session: schedule, snapshots, checks, detectors, and the alarm decision.
+
+Host-agnostic: it sees only ``AttentionSite`` / ``RouterSite`` records, a ``Communicator`` and a
+``ScalarWriter``. The host calls, on every rank:
+
+    session.on_train_start(iteration)          # after --load, before the first step
+    session.on_step_start(iteration)           # before the forward of step `iteration` (1-based)
+    decision = session.on_step_end(iteration)  # after optimizer.step()
+    if decision.abort: save a checkpoint on every rank, then
+        session.on_abort_checkpoint_saved(iteration, checkpoint_dir); exit(decision.exit_code)
+
+A check at iteration t (t % interval == 0) compares the weights at t with a snapshot from
+t - delta. Values are gathered on the writer rank, which runs the detectors and decides; the
+decision reaches every rank in one broadcast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from mechmon_megatron.detect import DetectorBank, DetectorConfig, default_detector_configs
+from mechmon_megatron.session import names
+from mechmon_megatron.session.alert import Alert, AlertReport
+from mechmon_megatron.session.attention_check import (
+    CheckOutput,
+    check_full,
+    check_heads,
+    merge_partials,
+    snapshot_full,
+    snapshot_heads,
+)
+from mechmon_megatron.session.config import MechmonConfig
+from mechmon_megatron.session.host import AttentionSite, Communicator, LocalCommunicator, RouterSite
+from mechmon_megatron.session.router_check import empty_vector, local_router_vector, router_output
+from mechmon_megatron.session.writers import ScalarWriter, WriterGroup
+
+logger = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+_NO_ALARM, _ALARM = 0, 1
+
+
+def detector_configs(config: MechmonConfig) -> dict[str, DetectorConfig]:
+    """Per-family detector configs: the family defaults (direction etc.) with the session's
+    ``detector_*`` settings applied to every family."""
+    out = {}
+    for family, base in default_detector_configs().items():
+        out[family] = dataclasses.replace(
+            base,
+            warmup=config.detector_warmup,
+            window=config.detector_window,
+            num_mads=config.detector_num_mads,
+            min_rel_change=config.detector_min_rel_change,
+            patience=config.detector_patience,
+        )
+    return out
+
+
+@dataclass
+class Decision:
+    """What the host must do after a step. ``abort``: save on every rank, then exit."""
+
+    iteration: int
+    alarm: bool = False
+    abort: bool = False
+    exit_code: int = 0
+    alerts: list[Alert] = field(default_factory=list)
+
+
+class MonitoringSession:
+    """Runs the mechanism monitors on one rank. A disabled session does nothing."""
+
+    name = "mechmon"
+
+    def __init__(
+        self,
+        config: MechmonConfig,
+        attention_sites: Sequence[AttentionSite] = (),
+        router_sites: Sequence[RouterSite] = (),
+        comm: Optional[Communicator] = None,
+        writer: Optional[ScalarWriter] = None,
+    ) -> None:
+        self.config = config
+        self.enabled = config.enabled
+        if not self.enabled:
+            return
+        self.attention_sites = list(attention_sites) if "attn" in config.monitors else []
+        self.router_sites = list(router_sites) if "router" in config.monitors else []
+        self.comm = comm or LocalCommunicator()
+        self.writer = writer or WriterGroup()
+        self.detectors = DetectorBank(detector_configs(config))
+        self.capturing = False
+        self.errors = 0
+        self.checkpoints: list[dict] = []  # [{"iteration": i, "path": p}] saved so far
+        self.alerts: list[Alert] = []
+        self._snapshots: dict[int, dict[int, tuple]] = {}  # check step -> site index -> (heads, full)
+        self._overhead_s = 0.0
+        self._pending_abort: Optional[Decision] = None
+
+    # ------------------------------------------------------------------ host hooks
+    def on_train_start(self, iteration: int) -> None:
+        """Take the first snapshot if the schedule needs one at the starting iteration."""
+        if self.enabled and self.config.is_snapshot_step(iteration):
+            self._timed(self._take_snapshot, iteration)
+
+    def on_step_start(self, iteration: int) -> bool:
+        """Arm router-logit capture for a check step; returns whether capture is on."""
+        if not self.enabled:
+            return False
+        self.capturing = bool(self.router_sites) and self.config.is_check_step(iteration)
+        return self.capturing
+
+    def on_step_end(self, iteration: int) -> Decision:
+        """Run the check / snapshot due at ``iteration`` and return the agreed decision."""
+        if not self.enabled:
+            return Decision(iteration)
+        start = time.perf_counter()
+        decision = Decision(iteration)
+        if self.config.is_check_step(iteration):
+            decision = self._check(iteration)
+        self.capturing = False
+        if self.config.is_snapshot_step(iteration):
+            self._take_snapshot(iteration)
+        if self.config.is_drill_step(iteration):
+            decision = self._drill(iteration, decision)
+        self._overhead_s += time.perf_counter() - start
+        if decision.alarm and self.config.action == "checkpoint-and-abort":
+            decision.abort = True
+            decision.exit_code = self.config.exit_code
+            self._pending_abort = decision
+        return decision
+
+    def on_checkpoint_saved(self, iteration: int, path: Optional[str]) -> None:
+        """Record a regular checkpoint (for the 'last good checkpoint' in the alert)."""
+        if self.enabled:
+            self.checkpoints.append({"iteration": int(iteration), "path": path})
+
+    def on_abort_checkpoint_saved(self, iteration: int, checkpoint_dir: Optional[str]) -> Optional[str]:
+        """Write ``mechmon_alert.json`` beside the abort checkpoint (writer rank); return its path."""
+        if not self.enabled or not self.comm.is_writer:
+            return None
+        alerts = self._pending_abort.alerts if self._pending_abort else self.alerts[-1:]
+        first_warning = min((a.first_warning_step or a.iteration) for a in alerts) if alerts else iteration
+        before = [c for c in self.checkpoints if c["iteration"] < first_warning]
+        report = AlertReport(
+            iteration=iteration,
+            alerts=alerts,
+            checkpoint_dir=checkpoint_dir,
+            last_checkpoint_before_first_warning=before[-1] if before else None,
+            exit_code=self.config.exit_code,
+            action=self.config.action,
+        )
+        directory = checkpoint_dir or self.config.log_dir or "."
+        path = report.write(directory)
+        logger.warning("[mechmon] alert written to %s", path)
+        return path
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        if not self.enabled:
+            return {}
+        return {
+            "version": STATE_VERSION,
+            "detectors": self.detectors.state_dict(),
+            "checkpoints": list(self.checkpoints),
+            "errors": self.errors,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if not self.enabled or not state:
+            return
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"mechmon state version {state.get('version')} is not supported (expected {STATE_VERSION})")
+        self.detectors.load_state_dict(state["detectors"])
+        self.checkpoints = list(state.get("checkpoints", []))
+        self.errors = int(state.get("errors", 0))
+
+    def close(self) -> None:
+        if self.enabled:
+            self.writer.close()
+
+    # ------------------------------------------------------------------ internals
+    def _timed(self, fn, *args):
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self._overhead_s += time.perf_counter() - start
+
+    def _snapshot_device(self) -> Optional[torch.device]:
+        return torch.device("cpu") if self.config.snapshot_device == "cpu" else None
+
+    def _take_snapshot(self, iteration: int) -> None:
+        """Copy the weights a later check (at iteration + delta) will compare against."""
+        device = self._snapshot_device()
+        taken: dict[int, tuple] = {}
+        for index, site in enumerate(self.attention_sites):
+            full = site.read_full()  # may be a collective: every rank calls it
+            heads = site.read_heads()
+            taken[index] = (
+                snapshot_heads(heads, device) if heads is not None else None,
+                snapshot_full(full, device) if (full is not None and self.config.full_matrix_dw) else None,
+            )
+        self._snapshots[iteration + self.config.delta] = taken
+
+    def _guard(self, fn, *args):
+        """Run a monitor computation; count and log failures unless strict mode re-raises."""
+        try:
+            return fn(*args)
+        except Exception:  # noqa: BLE001 -- a monitor must never kill training by default
+            if self.config.strict:
+                raise
+            self.errors += 1
+            logger.exception("[mechmon] monitor failed (counted in mechmon/errors; training goes on)")
+            return None
+
+    def _check(self, iteration: int) -> Decision:
+        cfg = self.config
+        outputs: list[CheckOutput] = []
+        snapshot = self._snapshots.pop(iteration, None)
+        # No snapshot (e.g. the first check after a resume) is the same on every rank, since all
+        # ranks follow one schedule; the reads below are collectives, so all skip them together.
+        sites = self.attention_sites if snapshot is not None else []
+        for index, site in enumerate(sites):
+            full = site.read_full()  # collectives first, unconditionally, in site order
+            heads = site.read_heads()
+            prev_heads, prev_full = snapshot[index]
+            if heads is not None and prev_heads is not None:
+                outputs.append(self._guard(check_heads, site.layer_number, prev_heads, heads, cfg.alpha, cfg.qk_method, cfg.per_head_scalars))
+            if full is not None and prev_full is not None:
+                outputs.append(self._guard(check_full, site.layer_number, prev_full, full, cfg.alpha))
+        for site in self.router_sites:
+            local = self._guard(local_router_vector, site, cfg.router_entropy_bins)
+            site.captured_logits.clear()
+            # The all-reduce runs on every rank even if this rank's summary failed.
+            flat = site.reduce_sum(local if local is not None else empty_vector(site, cfg.router_entropy_bins))
+            outputs.append(self._guard(router_output, site, flat, cfg.router_entropy_bins))
+        outputs = [o for o in outputs if o is not None]
+
+        payload = {
+            "scalars": [o.scalars for o in outputs],
+            "streams": [s for o in outputs for s in o.streams],
+            "nonfinite": [msg for o in outputs for msg in o.nonfinite],
+            "errors": self.errors,
+            "overhead_s": self._overhead_s,
+        }
+        gathered = self.comm.gather_to_writer(payload)
+        flag = _NO_ALARM
+        alerts: list[Alert] = []
+        if self.comm.is_writer:
+            try:
+                alerts = self._decide(iteration, gathered)
+            except Exception:  # noqa: BLE001
+                if cfg.strict:
+                    raise
+                self.errors += 1
+                logger.exception("[mechmon] alarm decision failed; no action this check")
+            flag = _ALARM if alerts else _NO_ALARM
+        flag = self.comm.broadcast_flag(flag)
+        self._overhead_s = 0.0
+        return Decision(iteration, alarm=flag == _ALARM, alerts=alerts)
+
+    def _decide(self, iteration: int, gathered: list[dict]) -> list[Alert]:
+        """Writer rank: write scalars, feed detectors, return the alarms of this check."""
+        scalars = merge_partials([part for payload in gathered for part in payload["scalars"]])
+        alerts: list[Alert] = []
+        warnings = 0
+        for payload in gathered:
+            for message in payload["nonfinite"]:
+                alerts.append(Alert(iteration, "nonfinite", "weights", _layer_of(message), None, float("nan"), None, None, iteration, message))
+            for stream in payload["streams"]:
+                event = self.detectors.update(stream.name, iteration, stream.value, family=stream.family)
+                if event.status == "warning":
+                    warnings += 1
+                elif event.status == "alarm":
+                    alerts.append(
+                        Alert(
+                            iteration,
+                            stream.family,
+                            stream.name,
+                            stream.layer_number,
+                            stream.head,
+                            stream.value,
+                            event.baseline,
+                            event.threshold,
+                            event.first_warning_step,
+                            "spectral collapse / routing collapse relative to this run's own baseline",
+                        )
+                    )
+        scalars[names.ALARM] = 1.0 if alerts else 0.0
+        scalars[names.WARNINGS] = float(warnings)
+        scalars[names.ERRORS] = float(sum(p["errors"] for p in gathered))
+        scalars[names.OVERHEAD_MS] = 1000.0 * max(p["overhead_s"] for p in gathered)
+        self.writer.write_scalars(scalars, iteration)
+        self.writer.flush()
+        for alert in alerts:
+            if self.config.action != "log":
+                logger.warning(alert.describe())
+        self.alerts.extend(alerts)
+        return alerts
+
+    def _drill(self, iteration: int, decision: Decision) -> Decision:
+        """Synthetic alarm at --mechmon-drill-at: every rank knows the step, no collective needed."""
+        alert = Alert(iteration, "drill", "drill", None, None, 0.0, None, None, iteration, "rehearsal requested by --mechmon-drill-at")
+        if self.comm.is_writer:
+            logger.warning(alert.describe())
+            self.alerts.append(alert)
+            self.writer.write_scalars({names.ALARM: 1.0}, iteration)
+            self.writer.flush()
+        decision.alarm = True
+        decision.alerts = decision.alerts + [alert]
+        return decision
+
+
+def _layer_of(message: str) -> Optional[int]:
+    try:
+        return int(message.split(":")[0].split()[-1])
+    except (ValueError, IndexError):
+        return None

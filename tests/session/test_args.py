@@ -1,0 +1,56 @@
+"""``--mechmon-*`` flags: defaults, chaining with another provider, and start-up errors."""
+
+import argparse
+
+import pytest
+
+from mechmon_megatron.cli.args import add_mechmon_args, chain_providers, config_from_args, validate_mechmon_args
+
+
+def parse(argv):
+    parser = add_mechmon_args(argparse.ArgumentParser())
+    return parser, parser.parse_args(argv)
+
+
+def test_defaults_are_disabled():
+    _, args = parse([])
+    cfg = config_from_args(args)
+    assert not cfg.enabled and cfg.interval == 100 and cfg.monitors == ("attn", "router")
+
+
+def test_flags_map_onto_config():
+    _, args = parse(
+        "--mechmon --mechmon-interval 10 --mechmon-delta 20 --mechmon-monitors router "
+        "--mechmon-action checkpoint-and-abort --mechmon-exit-code 77 --mechmon-drill-at 20 "
+        "--mechmon-alpha 1 --mechmon-snapshot-device cpu".split()
+    )
+    cfg = config_from_args(args)
+    assert (cfg.enabled, cfg.interval, cfg.delta, cfg.monitors) == (True, 10, 20, ("router",))
+    assert (cfg.action, cfg.exit_code, cfg.drill_at, cfg.alpha, cfg.snapshot_device) == ("checkpoint-and-abort", 77, 20, 1.0, "cpu")
+
+
+def test_chaining_keeps_other_providers_flags():
+    def other(parser):
+        parser.add_argument("--my-flag", type=int, default=3)
+        return parser
+
+    parser = chain_providers(other, None, add_mechmon_args)(argparse.ArgumentParser())
+    args = parser.parse_args(["--my-flag", "5", "--mechmon"])
+    assert args.my_flag == 5 and args.mechmon
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--mechmon-interval", "0"], "--mechmon-interval"),
+        (["--mechmon-exit-code", "16"], "--mechmon-exit-code"),
+        (["--mechmon-action", "abort"], "--mechmon-action"),
+        (["--mechmon-monitors", "attn,moe"], "--mechmon-monitors"),
+    ],
+)
+def test_bad_flag_fails_at_startup_naming_it(argv, flag, capsys):
+    parser, args = parse(["--mechmon", *argv])
+    with pytest.raises(SystemExit) as exc:
+        validate_mechmon_args(parser, args)
+    assert exc.value.code == 2
+    assert flag in capsys.readouterr().err

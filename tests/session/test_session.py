@@ -1,0 +1,211 @@
+"""The host-agnostic session on plain tensors: schedule, detectors, alarms, writers, state."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from mechmon_megatron.session import names
+from mechmon_megatron.session.config import MechmonConfig
+from mechmon_megatron.session.host import AttentionSite, FullQK, QKWeights, RouterSite
+from mechmon_megatron.session.session import MonitoringSession
+from mechmon_megatron.session.writers import JsonlScalarWriter, TensorBoardScalarWriter, WriterGroup
+
+HEADS, GROUPS, HEAD_DIM, HIDDEN, EXPERTS = 4, 2, 8, 32, 4
+
+
+class ToyAttention:
+    """A layer's Q/K weights that a test updates step by step (the 'host')."""
+
+    def __init__(self, layer_number: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.layer_number = layer_number
+        self.wq = torch.randn(HEADS, HEAD_DIM, HIDDEN, generator=g) * 0.02
+        self.wk = torch.randn(GROUPS, HEAD_DIM, HIDDEN, generator=g) * 0.02
+        self.gen = g
+
+    def step(self, coherent_head: int | None = None, scale: float = 1e-3) -> None:
+        self.wq += scale * torch.randn(self.wq.shape, generator=self.gen)
+        self.wk += scale * torch.randn(self.wk.shape, generator=self.gen)
+        if coherent_head is not None:
+            # The fault signature: one rank-1 direction added to one head every step.
+            u = torch.ones(HEAD_DIM, 1) / math.sqrt(HEAD_DIM)
+            v = torch.ones(1, HIDDEN) / math.sqrt(HIDDEN)
+            self.wq[coherent_head] += 40 * scale * (u @ v)
+
+    def site(self) -> AttentionSite:
+        return AttentionSite(
+            self.layer_number,
+            read_heads=lambda: QKWeights(self.wq, self.wk, 0),
+            read_full=lambda: FullQK(self.wq.reshape(-1, HIDDEN), self.wk.reshape(-1, HIDDEN)),
+        )
+
+
+def make_session(tmp_path, layers, routers=(), **overrides) -> MonitoringSession:
+    cfg = dict(enabled=True, interval=5, delta=5, detector_warmup=5, detector_patience=2, log_dir=str(tmp_path))
+    cfg.update(overrides)
+    writer = WriterGroup([JsonlScalarWriter(str(tmp_path / "scalars.jsonl")), TensorBoardScalarWriter.in_directory(str(tmp_path / "tb"))])
+    return MonitoringSession(MechmonConfig(**cfg), [l.site() for l in layers], list(routers), writer=writer)
+
+
+def run(session, layers, steps, start=0, fault_from=None, fault_head=1, fault_layer=0):
+    decisions = []
+    session.on_train_start(start)
+    for it in range(start + 1, start + steps + 1):
+        session.on_step_start(it)
+        for i, layer in enumerate(layers):
+            faulty = fault_from is not None and it >= fault_from and i == fault_layer
+            layer.step(coherent_head=fault_head if faulty else None)
+        decisions.append(session.on_step_end(it))
+    return decisions
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in open(path, encoding="utf-8")]
+
+
+def test_disabled_session_does_nothing(tmp_path):
+    session = MonitoringSession(MechmonConfig(enabled=False))
+    assert session.on_step_start(1) is False
+    decision = session.on_step_end(100)
+    assert not decision.alarm and session.state_dict() == {}
+
+
+def test_healthy_run_writes_scalars_and_never_alarms(tmp_path):
+    layers = [ToyAttention(1, 0), ToyAttention(2, 1)]
+    session = make_session(tmp_path, layers)
+    decisions = run(session, layers, 100)
+    session.close()
+    assert not any(d.alarm for d in decisions)
+    rows = read_jsonl(tmp_path / "scalars.jsonl")
+    assert [r["step"] for r in rows] == list(range(5, 101, 5))
+    last = rows[-1]["scalars"]
+    for layer in (1, 2):
+        assert names.attn("delta2_entropy", layer) in last
+        assert names.attn("dw_entropy", layer) in last
+    assert last[names.ALARM] == 0.0 and last[names.ERRORS] == 0.0 and last[names.OVERHEAD_MS] > 0
+
+
+def test_coherent_update_alarms_naming_layer_and_head(tmp_path):
+    layers = [ToyAttention(1, 0), ToyAttention(2, 1)]
+    session = make_session(tmp_path, layers, action="warn")
+    decisions = run(session, layers, 120, fault_from=61, fault_head=3, fault_layer=1)
+    alarms = [a for d in decisions for a in d.alerts]
+    assert alarms, "a coherent rank-1 update stream must alarm"
+    first = alarms[0]
+    assert first.iteration > 60
+    assert first.layer == 2
+    head_alarms = [a for a in alarms if a.family == "attn_delta2"]
+    assert head_alarms and all(a.head == 3 for a in head_alarms)
+    assert not any(d.alarm for d in decisions if d.iteration <= 60)
+
+
+def test_tensorboard_event_file_has_mechmon_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    layers = [ToyAttention(1, 0)]
+    session = make_session(tmp_path, layers)
+    run(session, layers, 20)
+    session.close()
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert names.attn("delta2_entropy", 1) in tags and names.ALARM in tags
+    steps = [e.step for e in acc.Scalars(names.attn("delta2_entropy", 1))]
+    assert steps == [5, 10, 15, 20]
+
+
+def test_drill_raises_alarm_and_abort_decision(tmp_path):
+    layers = [ToyAttention(1, 0)]
+    session = make_session(tmp_path, layers, drill_at=7, action="checkpoint-and-abort", exit_code=43)
+    decisions = run(session, layers, 7)
+    last = decisions[-1]
+    assert last.alarm and last.abort and last.exit_code == 43
+    assert not any(d.alarm for d in decisions[:-1])
+    session.on_checkpoint_saved(5, str(tmp_path / "iter_5"))
+    path = session.on_abort_checkpoint_saved(7, str(tmp_path / "iter_7"))
+    alert = json.load(open(path))
+    assert alert["iteration"] == 7 and alert["family"] == "drill" and alert["exit_code"] == 43
+    assert alert["last_checkpoint_before_first_warning"]["iteration"] == 5
+
+
+def test_state_round_trip_keeps_baseline_no_warmup_after_resume(tmp_path):
+    layers = [ToyAttention(1, 0)]
+    session = make_session(tmp_path, layers)
+    run(session, layers, 50)
+    state = json.loads(json.dumps(session.state_dict()))  # must survive JSON (checkpoints, alerts)
+    resumed = make_session(tmp_path / "b", layers)
+    resumed.load_state_dict(state)
+    det_a = session.detectors[names.attn("delta2_entropy", 1, 0)]
+    det_b = resumed.detectors[names.attn("delta2_entropy", 1, 0)]
+    assert det_a.state_dict() == det_b.state_dict()
+    # Fault right after resume: the restored baseline alarms without a new warm-up period.
+    decisions = run(resumed, layers, 40, start=50, fault_from=51, fault_head=0)
+    first = next(d for d in decisions if d.alarm)
+    assert first.iteration <= 50 + 5 * (2 + 2)  # no snapshot at 55, then patience checks
+
+
+def test_nonfinite_weights_alarm_names_layer(tmp_path):
+    layers = [ToyAttention(1, 0), ToyAttention(4, 1)]
+    session = make_session(tmp_path, layers)
+    run(session, layers, 10)
+    layers[1].wq[0, 0, 0] = float("nan")
+    decisions = run(session, layers, 5, start=10)
+    alerts = [a for d in decisions for a in d.alerts]
+    assert alerts and alerts[0].family == "nonfinite" and alerts[0].layer == 4
+
+
+def test_monitor_exception_is_counted_not_raised_unless_strict(tmp_path):
+    layer = ToyAttention(1, 0)
+    broken = AttentionSite(1, read_heads=lambda: QKWeights(layer.wq, layer.wk[:1, :, :3], 0), read_full=lambda: None)
+    session = MonitoringSession(MechmonConfig(enabled=True, interval=5, delta=5), [broken], writer=WriterGroup())
+    decisions = run(session, [layer], 10)
+    assert not any(d.alarm for d in decisions)
+    assert session.errors == 2
+    strict = MonitoringSession(MechmonConfig(enabled=True, interval=5, delta=5, strict=True), [broken], writer=WriterGroup())
+    with pytest.raises(ValueError):
+        run(strict, [layer], 10)
+
+
+def test_router_site_statistics(tmp_path):
+    weight = torch.randn(EXPERTS, HIDDEN)
+    site = RouterSite(1, EXPERTS, 2, weight=lambda: weight, reduce_sum=lambda v: v, reports=True)
+    session = make_session(tmp_path, [], routers=[site])
+    logits = torch.randn(16, 2, EXPERTS)
+    for it in range(1, 11):
+        if session.on_step_start(it):
+            site.captured_logits.append(logits)  # what the adapter's capture hook does
+        session.on_step_end(it)
+    session.close()
+    rows = read_jsonl(tmp_path / "scalars.jsonl")
+    assert [r["step"] for r in rows] == [5, 10]
+    got = rows[-1]["scalars"]
+    p = torch.softmax(logits.double(), -1)
+    expected = float((-(p * p.log()).sum(-1)).mean())
+    assert got[names.router("token_entropy", 1)] == pytest.approx(expected, rel=1e-6)
+    u = torch.nn.functional.normalize(weight.double(), dim=1)
+    cos = u @ u.T
+    expected_s = float((cos.sum() - cos.diagonal().sum()) / (EXPERTS * (EXPERTS - 1)))
+    assert got[names.router("weight_similarity", 1)] == pytest.approx(expected_s, rel=1e-9, abs=1e-12)
+    assert site.captured_logits == []
+
+
+@pytest.mark.parametrize(
+    "overrides, flag",
+    [
+        ({"interval": 0}, "--mechmon-interval"),
+        ({"delta": -1}, "--mechmon-delta"),
+        ({"exit_code": 1}, "--mechmon-exit-code"),
+        ({"exit_code": 17}, "--mechmon-exit-code"),
+        ({"action": "explode"}, "--mechmon-action"),
+        ({"monitors": ("attn", "mlp")}, "--mechmon-monitors"),
+        ({"snapshot_device": "gpu"}, "--mechmon-snapshot-device"),
+        ({"alpha": 0.0}, "--mechmon-alpha"),
+    ],
+)
+def test_bad_config_names_the_flag(overrides, flag):
+    with pytest.raises(ValueError, match=flag):
+        MechmonConfig(enabled=True, **overrides)
