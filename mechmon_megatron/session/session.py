@@ -278,7 +278,7 @@ class MonitoringSession:
                 event = self.detectors.update(stream.name, iteration, stream.value, family=stream.family)
                 if event.status == "warning":
                     warnings += 1
-                elif event.status == "alarm":
+                elif event.fired:  # the first check of an alarm episode; re-arm gates the next
                     alerts.append(
                         Alert(
                             iteration,
