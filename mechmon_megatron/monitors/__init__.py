@@ -1,0 +1,54 @@
+"""The pure-torch monitor core: tensors in, numbers out. Never imports megatron or deepspeed.
+
+* ``spectral``: spectral entropy / effective rank / stable rank of singular-value spectra.
+* ``qk_increment``: per-head singular values of the QK increments Delta1, Delta2, Delta3.
+* ``update_spectrum``: singular values of a weight increment dW (exact or randomized).
+* ``router``: full-softmax routing entropy, router-weight similarity, load statistics.
+* ``symptom_baselines``: the symptom-level rules users run today (loss / grad-norm spikes).
+"""
+
+from mechmon_megatron.monitors.qk_increment import qk_increment_singular_values
+from mechmon_megatron.monitors.router import (
+    RouterEntropySummary,
+    expert_load,
+    load_fractions,
+    max_violation,
+    router_conditioning_ratio,
+    router_weight_similarity,
+    routing_entropy,
+    summarize_routing,
+)
+from mechmon_megatron.monitors.spectral import spectral_stats
+from mechmon_megatron.monitors.symptom_baselines import (
+    FoundrySpikeRule,
+    GrowthRule,
+    MegatronSpikeRule,
+    OlmoSpikeRule,
+    RunningMeanRelativeRule,
+    SymptomRule,
+    build_symptom_rules,
+)
+from mechmon_megatron.monitors.update_spectrum import per_head_update_singular_values, tail_energy, update_singular_values
+
+__all__ = [
+    "FoundrySpikeRule",
+    "GrowthRule",
+    "MegatronSpikeRule",
+    "OlmoSpikeRule",
+    "RouterEntropySummary",
+    "RunningMeanRelativeRule",
+    "SymptomRule",
+    "build_symptom_rules",
+    "expert_load",
+    "load_fractions",
+    "max_violation",
+    "per_head_update_singular_values",
+    "qk_increment_singular_values",
+    "router_conditioning_ratio",
+    "router_weight_similarity",
+    "routing_entropy",
+    "spectral_stats",
+    "summarize_routing",
+    "tail_energy",
+    "update_singular_values",
+]

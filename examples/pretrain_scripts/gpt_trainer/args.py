@@ -1,0 +1,155 @@
+"""Command-line flags of the example trainer (Megatron-LM names) and their validation.
+
+``build_parser(extra_args_providers)`` follows Megatron-LM's ``extra_args_provider`` convention:
+each provider is ``fn(parser) -> parser`` and may add its own argument group (e.g. ``--mechmon*``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+
+from .attention import ATTENTION_BACKENDS
+
+ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
+
+
+
+def _model_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument("--hidden-size", type=int, default=64)
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--num-query-groups", type=int, default=None,
+                   help="GQA groups (default: --num-attention-heads, i.e. MHA).")
+    g.add_argument("--kv-channels", type=int, default=None,
+                   help="Head dim (default: hidden-size / num-attention-heads).")
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="Default: 4 * hidden-size.")
+    g.add_argument("--num-experts", type=int, default=None, help="MoE experts per layer (off).")
+    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                   help="Expert FFN size (default: --ffn-hidden-size).")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    g.add_argument("--moe-router-load-balancing-type", default="aux_loss",
+                   choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "none"])
+    g.add_argument("--seq-length", type=int, default=64)
+    g.add_argument("--vocab-size", type=int, default=257,
+                   help="Tokenizer vocab (byte-level: 256 bytes + eod = 257).")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="Pad vocab to a multiple of this x TP size (as Megatron-LM).")
+    g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--attention-backend", default="local", choices=sorted(ATTENTION_BACKENDS),
+                   help="Core attention implementation (see model.build_layer_spec).")
+    g.add_argument("--use-cpu-initialization", action="store_true",
+                   help="Initialise every weight on CPU from a per-parameter seeded generator, "
+                        "independent of the TP/PP/EP layout (same seed -> same model).")
+
+
+def _training_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=2)
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="Default: micro-batch-size x data-parallel size.")
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="Default: --train-iters.")
+    g.add_argument("--lr-decay-style", default="cosine", choices=["constant", "linear", "cosine"])
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.95)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--train-iters", type=int, default=20)
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="Save (if --save) and exit when iteration %% exit-interval == 0.")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--num-threads", type=int, default=None,
+                   help="torch threads per process on CPU (default 1).")
+
+
+def _parallel_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None,
+                   help="Default: nccl when CUDA is available, else gloo.")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+
+
+def _io_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("data, checkpoints, logging")
+    g.add_argument("--data-path", default=None,
+                   help="Prefix of a Megatron indexed dataset (PREFIX.bin/.idx, built by "
+                        "tools/build_indexed_dataset.py). Default: the byte-level stdlib corpus.")
+    g.add_argument("--corpus-max-bytes", type=int, default=4 * 1024 * 1024,
+                   help="Cap of the default stdlib corpus in bytes.")
+    g.add_argument("--save", default=None, help="Checkpoint directory.")
+    g.add_argument("--load", default=None, help="Resume from this checkpoint directory.")
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--metrics-jsonl", default=None,
+                   help="Per-iteration metrics file (iteration, lm_loss, grad_norm, lr, "
+                        "step_time_s), written by the last rank.")
+    g.add_argument("--log-interval", type=int, default=1)
+
+
+def build_parser(extra_args_providers: Optional[Iterable[ArgsProvider]] = None
+                 ) -> argparse.ArgumentParser:
+    """The trainer's parser; each extra provider ``fn(parser) -> parser`` may add flags."""
+    parser = argparse.ArgumentParser(description="Megatron-core GPT / GPT-MoE example trainer",
+                                     allow_abbrev=False)
+    for add in (_model_args, _training_args, _parallel_args, _io_args):
+        add(parser)
+    for provider in extra_args_providers or ():
+        parser = provider(parser)
+    return parser
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """Fill defaults that depend on others and reject inconsistent layouts (ValueError)."""
+    tp, pp, ep = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                  args.expert_model_parallel_size)
+    if world_size % (tp * pp) != 0:
+        raise ValueError(f"world size {world_size} is not divisible by "
+                         f"--tensor-model-parallel-size x --pipeline-model-parallel-size = {tp * pp}.")
+    args.data_parallel_size = world_size // (tp * pp)
+    if args.num_experts is None and ep != 1:
+        raise ValueError("--expert-model-parallel-size > 1 needs --num-experts.")
+    if args.num_experts is not None and args.num_experts % ep != 0:
+        raise ValueError(f"--num-experts {args.num_experts} must be divisible by "
+                         f"--expert-model-parallel-size {ep}.")
+    if args.num_layers % pp != 0:
+        raise ValueError(f"--num-layers {args.num_layers} must be divisible by "
+                         f"--pipeline-model-parallel-size {pp}.")
+    if args.sequence_parallel and tp == 1:
+        args.sequence_parallel = False
+    if args.num_query_groups is None:
+        args.num_query_groups = args.num_attention_heads
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size % per_step != 0:
+        raise ValueError(f"--global-batch-size {args.global_batch_size} must be a multiple of "
+                         f"--micro-batch-size x data-parallel size = {per_step}.")
+    args.num_microbatches = args.global_batch_size // per_step
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.distributed_backend is None:
+        args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
+    multiple = args.make_vocab_size_divisible_by * tp
+    args.padded_vocab_size = -(-args.vocab_size // multiple) * multiple
+    return args
+
+
+def parse_args(argv: Optional[Sequence[str]] = None,
+               extra_args_providers: Optional[Iterable[ArgsProvider]] = None) -> argparse.Namespace:
+    """Parse flags (validation that needs the world size happens in ``validate_args``)."""
+    return build_parser(extra_args_providers).parse_args(argv)

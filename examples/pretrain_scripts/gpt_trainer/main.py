@@ -1,0 +1,78 @@
+"""``main(argv, extra_args_providers, callbacks_factory)``: wire the pieces together.
+
+``extra_args_providers``: Megatron-LM style ``fn(parser) -> parser`` functions adding flags.
+``callbacks_factory``: ``fn(args) -> list of callbacks`` (called on every rank after the
+process group exists), see ``callbacks.py`` for the hooks.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+
+from .args import ArgsProvider, parse_args, validate_args
+
+
+def main(argv: Optional[Sequence[str]] = None,
+         extra_args_providers: Optional[Iterable[ArgsProvider]] = None,
+         callbacks_factory: Optional[Callable[[Any], list]] = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("megatron").setLevel(logging.WARNING)  # it logs every parameter name
+    args = parse_args(argv, extra_args_providers)
+
+    from mechmon_megatron.compat.cpu_megatron import enable_cpu_compat
+
+    enable_cpu_compat()  # no-op with CUDA
+
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from .callbacks import CallbackList
+    from .checkpoint import load_checkpoint
+    from .data import SampleSchedule, open_stream
+    from .loop import Trainer
+    from .metrics import MetricsWriter, is_writer_rank
+    from .model import build_model, build_transformer_config, wrap_ddp
+    from .runtime import init_distributed, set_seeds
+
+    if args.distributed_backend is None:
+        args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
+    init_distributed(args)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    validate_args(args, world)
+    set_seeds(args.seed)
+
+    config = build_transformer_config(args)
+    model_chunks = [wrap_ddp(build_model(args, config), config)]
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr,
+                        weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
+                        adam_beta2=args.adam_beta2, clip_grad=args.clip_grad,
+                        params_dtype=torch.float32, use_distributed_optimizer=False),
+        model_chunks)
+    config.grad_scale_func = optimizer.scale_loss
+    gbs = args.global_batch_size
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * gbs, lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
+        end_wd=args.weight_decay, wd_incr_steps=args.train_iters * gbs,
+        wd_incr_style="constant")
+
+    callbacks = CallbackList(callbacks_factory(args) if callbacks_factory else [])
+    iteration = 0
+    if args.load:
+        iteration, extra = load_checkpoint(args.load, model_chunks, optimizer, scheduler)
+        callbacks.load_state_dict(extra.get("callbacks", {}))
+        if rank == 0:
+            print(f"loaded checkpoint from {args.load} at iteration {iteration}", flush=True)
+
+    schedule = SampleSchedule(open_stream(args.data_path, args.corpus_max_bytes),
+                              args.seq_length, args.seed)
+    metrics = MetricsWriter(args, enabled=is_writer_rank(rank, world))
+    trainer = Trainer(args=args, model_chunks=model_chunks, optimizer=optimizer,
+                      scheduler=scheduler, schedule=schedule, callbacks=callbacks,
+                      metrics=metrics, iteration=iteration)
+    return trainer.run()
