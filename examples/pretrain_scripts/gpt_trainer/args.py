@@ -11,7 +11,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
-from .attention import ATTENTION_BACKENDS
+from .attention import add_attention_args, prepare_attention
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
@@ -42,8 +42,6 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hidden-dropout", type=float, default=0.0)
     g.add_argument("--attention-dropout", type=float, default=0.0)
     g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--attention-backend", default="local", choices=sorted(ATTENTION_BACKENDS),
-                   help="Core attention implementation (see model.build_layer_spec).")
     g.add_argument("--use-cpu-initialization", action="store_true",
                    help="Initialise every weight on CPU from a per-parameter seeded generator, "
                         "independent of the TP/PP/EP layout (same seed -> same model).")
@@ -104,7 +102,7 @@ def build_parser(extra_args_providers: Optional[Iterable[ArgsProvider]] = None
     """The trainer's parser; each extra provider ``fn(parser) -> parser`` may add flags."""
     parser = argparse.ArgumentParser(description="Megatron-core GPT / GPT-MoE example trainer",
                                      allow_abbrev=False)
-    for add in (_model_args, _training_args, _parallel_args, _io_args):
+    for add in (_model_args, add_attention_args, _training_args, _parallel_args, _io_args):
         add(parser)
     for provider in extra_args_providers or ():
         parser = provider(parser)
@@ -146,6 +144,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
     multiple = args.make_vocab_size_divisible_by * tp
     args.padded_vocab_size = -(-args.vocab_size // multiple) * multiple
+    prepare_attention(args)
     return args
 
 

@@ -1,19 +1,112 @@
-"""Registry of core-attention backends for ``--attention-backend`` (only ``local`` for now).
+"""Core-attention backends for ``--attention-backend`` and the fault-injection flags.
 
-A backend is a zero-argument factory returning the module class (or ``ModuleSpec``) to plug in as
-``self_attention.submodules.core_attention`` of the layer spec; ``None`` keeps megatron-core's
-default ``DotProductAttention`` of the local spec. Another backend (e.g. one that records
-attention statistics) registers itself before the parser is built::
+``local`` keeps megatron-core's ``DotProductAttention``. ``torch`` (scaled-dot-product
+attention: a real FlashAttention-2 kernel on a GPU in BF16), ``emulated-lowp-fa`` (the pure
+PyTorch emulation of BF16 FlashAttention with the fault injector), ``flash-attn`` and ``fp8`` (GPU
+only) come from ``mechmon_megatron.adapters.mcore.attention_backends``.
 
-    register_attention_backend("flash", lambda: MyFlashCoreAttention)
+The fault acts only through the emulated kernel's backward (``delta = rowsum(dO * O)`` with a
+biased O); it never writes weights. ``--fa-fault-strength`` is in BF16 ulps and is an AMPLIFIED
+fault: the faithful tied-row variant rarely triggers in small models (see docs/RESULTS.md).
 """
 
 from __future__ import annotations
 
+import argparse
 from typing import Any, Callable, Optional
 
-ATTENTION_BACKENDS: dict[str, Optional[Callable[[], Any]]] = {"local": None}
+ATTENTION_BACKENDS = ("local", "torch", "emulated-lowp-fa", "flash-attn", "fp8")
 
 
-def register_attention_backend(name: str, factory: Callable[[], Any]) -> None:
-    ATTENTION_BACKENDS[name] = factory
+def add_attention_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("attention backend and fault injection")
+    g.add_argument("--attention-backend", default="local", choices=ATTENTION_BACKENDS,
+                   help="Core attention implementation (see gpt_trainer/attention.py).")
+    g.add_argument("--fa-fault-strength", type=float, default=0.0,
+                   help="Biased-rounding fault in the emulated FA backward, in BF16 ulps (0 = off).")
+    g.add_argument("--fa-fault-onset", type=int, default=0, help="First iteration with the fault.")
+    g.add_argument("--fa-fault-mode", default="all_rows", choices=["all_rows", "tied_rows"],
+                   help="all_rows: amplified fault on every row; tied_rows: only rows with a tied max.")
+    g.add_argument("--fa-fault-layers", type=str, default=None,
+                   help="Comma-separated global layer numbers with the fault (default: all).")
+    g.add_argument("--fa-fp32-o", action="store_true", help="Control arm: keep O in FP32 (no BF16 rounding).")
+    g.add_argument("--fa-tie-shift-beta", type=float, default=None,
+                   help="Opt-in mitigation: shift tied row maxima by beta (Qiu & Yao), e.g. 4.")
+    g.add_argument("--fa-no-bf16-emulation", action="store_true",
+                   help="Run the emulated kernel in plain FP32 (exactness checks).")
+    g.add_argument("--log-max-attn-logit", action="store_true",
+                   help="Log max_ij q.k/sqrt(d) over all layers per step (metrics JSONL: max_attn_logit).")
+
+
+def prepare_attention(args: argparse.Namespace) -> None:
+    """Validate the flags and create the shared fault / recorder objects on ``args``."""
+    args.fa_fault = None
+    args.logit_recorder = None
+    if args.fa_fault_strength != 0.0 and args.attention_backend != "emulated-lowp-fa":
+        raise ValueError("--fa-fault-strength needs --attention-backend emulated-lowp-fa "
+                         f"(got --attention-backend {args.attention_backend}).")
+    if args.attention_backend == "local":
+        if args.log_max_attn_logit:
+            raise ValueError("--log-max-attn-logit needs --attention-backend torch or emulated-lowp-fa.")
+        return
+    from mechmon_megatron.adapters.mcore.attention_backends import MaxLogitRecorder, backend_unavailable_reason
+    from mechmon_megatron.faults.fault_config import FaultConfig
+
+    reason = backend_unavailable_reason(args.attention_backend)
+    if reason is not None:
+        raise ValueError(f"--attention-backend {args.attention_backend}: {reason}")
+    layers = None
+    if args.fa_fault_layers:
+        try:
+            layers = tuple(int(x) for x in args.fa_fault_layers.split(",") if x.strip())
+        except ValueError as exc:
+            raise ValueError(f"--fa-fault-layers must be comma-separated integers, got {args.fa_fault_layers!r}") from exc
+    if args.attention_backend == "emulated-lowp-fa":
+        args.fa_fault = FaultConfig(strength=args.fa_fault_strength, onset_step=args.fa_fault_onset,
+                                    mode=args.fa_fault_mode, layer_numbers=layers)
+    if args.log_max_attn_logit:
+        args.logit_recorder = MaxLogitRecorder()
+
+
+def core_attention_spec(args: argparse.Namespace) -> Optional[Any]:
+    """The ``core_attention`` submodule for the layer spec (None = megatron-core default)."""
+    if args.attention_backend == "local":
+        return None
+    from mechmon_megatron.adapters.mcore.attention_backends import build_core_attention_spec
+    from mechmon_megatron.faults.emulated_fa import EmulatedFAConfig
+
+    emulation = EmulatedFAConfig(emulate_bf16=not args.fa_no_bf16_emulation, fp32_o=args.fa_fp32_o,
+                                 tie_shift_beta=args.fa_tie_shift_beta)
+    return build_core_attention_spec(args.attention_backend, fault=args.fa_fault, emulation=emulation,
+                                     logit_recorder=args.logit_recorder)
+
+
+class AttentionStepCallback:
+    """Advances the fault's step counter and reports the max attention logit per step."""
+
+    name = "attention"
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.fault = getattr(args, "fa_fault", None)
+        self.recorder = getattr(args, "logit_recorder", None)
+
+    def on_step_start(self, iteration: int) -> None:
+        if self.fault is not None:
+            self.fault.set_step(iteration)
+        if self.recorder is not None:
+            self.recorder.reset()
+            self.recorder.enabled = True
+
+    def step_metrics(self) -> dict:
+        """Collective (every rank): max over all layers of all ranks."""
+        if self.recorder is None:
+            return {}
+        import torch
+
+        value = torch.tensor([self.recorder.value], dtype=torch.float64)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+        return {"max_attn_logit": float(value.item())}
+
+
+AttentionCallbackFactory = Callable[[argparse.Namespace], list]

@@ -10,6 +10,9 @@ A callback is any object with some of these optional methods; all are called on 
   ``optimizer.step()`` and the iteration increment. Returning an :class:`ExitRequest` makes the
   loop save (when ``save`` and ``--save``), call ``on_exit`` and exit with ``exit_code``. Ranks
   must agree among themselves: the loop does not reduce the decision.
+* ``on_checkpoint_saved(iteration, checkpoint_dir)`` -- after every regular save.
+* ``step_metrics() -> dict`` -- extra values for this step's metrics row (every rank calls it,
+  so it may run a collective; the last rank writes the row).
 * ``on_exit(request: ExitRequest, checkpoint_dir: str | None)`` -- before the process group is
   destroyed (also called with a normal-completion request at the end of training).
 * ``state_dict() -> dict`` / ``load_state_dict(sd)`` -- stored in the checkpoint's extra state
@@ -83,9 +86,22 @@ class CallbackList:
         request = None
         for fn in self._each("on_step_end"):
             result = fn(iteration, ctx)
-            if isinstance(result, ExitRequest) and request is None:
-                request = result
+            if result is not None and request is None:
+                # Duck-typed: any object with save / exit_code / reason (e.g. mechmon's request).
+                request = ExitRequest(save=bool(result.save), exit_code=int(result.exit_code),
+                                      reason=str(getattr(result, "reason", "")))
         return request
+
+    def on_checkpoint_saved(self, iteration: int, checkpoint_dir: Optional[str]) -> None:
+        for fn in self._each("on_checkpoint_saved"):
+            fn(iteration, checkpoint_dir)
+
+    def step_metrics(self) -> dict[str, Any]:
+        """Extra per-step values for the metrics row (called on every rank: may be collective)."""
+        out: dict[str, Any] = {}
+        for fn in self._each("step_metrics"):
+            out.update(fn())
+        return out
 
     def on_exit(self, request: ExitRequest, checkpoint_dir: Optional[str]) -> None:
         for fn in self._each("on_exit"):

@@ -62,6 +62,12 @@ class Trainer:
         return save_checkpoint(self.args.save, iteration, self.model_chunks, self.optimizer,
                                self.scheduler, extra)
 
+    def save_regular(self, iteration: int) -> Optional[str]:
+        """A scheduled save (--save-interval / end of training): callbacks hear about it."""
+        path = self.save(iteration)
+        self.callbacks.on_checkpoint_saved(iteration, path)
+        return path
+
     def context(self) -> TrainContext:
         return TrainContext(args=self.args, model_chunks=self.model_chunks,
                             optimizer=self.optimizer, iteration=self.iteration,
@@ -105,18 +111,19 @@ class Trainer:
             loss, grad_norm, lr = self.train_step()
             step_time = time.perf_counter() - start
             self.iteration += 1
-            self.metrics.write(self.iteration, loss, grad_norm, lr, step_time)
+            self.metrics.write(self.iteration, loss, grad_norm, lr, step_time,
+                               extra=self.callbacks.step_metrics())
             request = self.callbacks.on_step_end(self.iteration, self.context())
             if request is None and args.exit_interval and self.iteration % args.exit_interval == 0:
                 request = ExitRequest(save=True, exit_code=0, reason="--exit-interval reached")
             if request is not None:
                 return self.exit(request)
             if args.save_interval and self.iteration % args.save_interval == 0:
-                self.save(self.iteration)
+                self.save_regular(self.iteration)
                 last_saved = self.iteration
         path = None
         if args.save and last_saved != self.iteration:
-            path = self.save(self.iteration)
+            path = self.save_regular(self.iteration)
         self._finish(ExitRequest(save=False, exit_code=0, reason="--train-iters reached"), path)
         return 0
 

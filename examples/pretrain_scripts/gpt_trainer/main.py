@@ -29,6 +29,7 @@ def main(argv: Optional[Sequence[str]] = None,
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    from .attention import AttentionStepCallback
     from .callbacks import CallbackList
     from .checkpoint import load_checkpoint
     from .data import SampleSchedule, open_stream
@@ -61,7 +62,7 @@ def main(argv: Optional[Sequence[str]] = None,
         end_wd=args.weight_decay, wd_incr_steps=args.train_iters * gbs,
         wd_incr_style="constant")
 
-    callbacks = CallbackList(callbacks_factory(args) if callbacks_factory else [])
+    callbacks = CallbackList([AttentionStepCallback(args)] + (callbacks_factory(args) if callbacks_factory else []))
     iteration = 0
     if args.load:
         iteration, extra = load_checkpoint(args.load, model_chunks, optimizer, scheduler)

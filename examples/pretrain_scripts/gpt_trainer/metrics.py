@@ -37,7 +37,7 @@ class MetricsWriter:
             self._jsonl = open(args.metrics_jsonl, "a", encoding="utf-8")
 
     def write(self, iteration: int, lm_loss: float, grad_norm: Optional[float], lr: float,
-              step_time_s: float) -> None:
+              step_time_s: float, extra: Optional[dict] = None) -> None:
         if not self.enabled:
             return
         if self.tensorboard is not None:
@@ -47,7 +47,7 @@ class MetricsWriter:
             self.tensorboard.add_scalar("learning-rate", lr, iteration)
         if self._jsonl is not None:
             row = {"iteration": iteration, "lm_loss": lm_loss, "grad_norm": grad_norm, "lr": lr,
-                   "step_time_s": step_time_s}
+                   "step_time_s": step_time_s, **(extra or {})}
             self._jsonl.write(json.dumps(row) + "\n")
             self._jsonl.flush()
         if iteration % self.args.log_interval == 0:

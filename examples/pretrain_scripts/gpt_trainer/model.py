@@ -27,7 +27,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from .attention import ATTENTION_BACKENDS
+from .attention import core_attention_spec
 
 
 def build_transformer_config(args: argparse.Namespace) -> TransformerConfig:
@@ -74,8 +74,7 @@ def build_layer_spec(args: argparse.Namespace, core_attention: Optional[Any] = N
     ``DotProductAttention`` (default: the ``--attention-backend`` registry entry)."""
     spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False)
     if core_attention is None:
-        factory = ATTENTION_BACKENDS[args.attention_backend]
-        core_attention = factory() if factory is not None else None
+        core_attention = core_attention_spec(args)
     if core_attention is not None:
         spec.submodules.self_attention.submodules.core_attention = core_attention
     return spec

@@ -113,6 +113,7 @@ class MechmonCoreAttention(MegatronModule):
         backend: AttentionBackend = "torch",
         fault: Optional[FaultConfig] = None,
         emulation: Optional[EmulatedFAConfig] = None,
+        logit_recorder: Optional["MaxLogitRecorder"] = None,
     ):
         super().__init__(config=config)
         _check_backend(backend)
@@ -138,6 +139,7 @@ class MechmonCoreAttention(MegatronModule):
             )
         self.fault = fault if fault is not None and fault.applies_to_layer(self.layer_number) else None
         self.emulation = emulation if emulation is not None else EmulatedFAConfig()
+        self.logit_recorder = logit_recorder
         self.current_max_attn_logits = None  # read by megatron's Attention when qk-clip is on
         self._te_attention = self._build_te_attention(config) if backend == "fp8" else None
 
@@ -213,6 +215,8 @@ class MechmonCoreAttention(MegatronModule):
         if group_size > 1:
             k = k.repeat_interleave(group_size, dim=1)
             v = v.repeat_interleave(group_size, dim=1)
+        if self.logit_recorder is not None and self.logit_recorder.enabled:
+            self.logit_recorder.record(q, k, self.softmax_scale, causal)
         if self.backend == "torch":
             out = torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, dropout_p=self.dropout_p if self.training else 0.0,
@@ -272,8 +276,35 @@ def _check_config(config: TransformerConfig, backend: str, fault: Optional[Fault
     _check_fault(backend, fault)
 
 
+class MaxLogitRecorder:
+    """Records max_ij q_i . k_j * scale over every attention call while ``enabled``.
+
+    The symptom-level "max attention logit" signal (Wortsman et al. 2023) for the fault study:
+    it costs one extra ``Q K^T`` per layer, so it is off unless the trainer asks for it.
+    """
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.value = float("-inf")
+
+    def reset(self) -> None:
+        self.value = float("-inf")
+
+    @torch.no_grad()
+    def record(self, q_BHND: Tensor, k_BHMD: Tensor, scale: Optional[float], causal: bool) -> None:
+        scale = scale if scale is not None else 1.0 / math.sqrt(q_BHND.shape[-1])
+        scores = torch.matmul(q_BHND, k_BHMD.transpose(-1, -2)) * scale
+        if causal:
+            n, m = scores.shape[-2:]
+            scores = scores.masked_fill(torch.ones(n, m, dtype=torch.bool, device=scores.device).triu(1), float("-inf"))
+        self.value = max(self.value, float(scores.max()))
+
+
 def build_core_attention_spec(
-    backend: str, fault: Optional[FaultConfig] = None, emulation: Optional[EmulatedFAConfig] = None
+    backend: str,
+    fault: Optional[FaultConfig] = None,
+    emulation: Optional[EmulatedFAConfig] = None,
+    logit_recorder: Optional[MaxLogitRecorder] = None,
 ) -> ModuleSpec:
     """A ``ModuleSpec`` for a layer spec's ``core_attention=`` slot.
 
@@ -287,5 +318,5 @@ def build_core_attention_spec(
     _check_fault(backend, fault)
     return ModuleSpec(
         module=MechmonCoreAttention,
-        params={"backend": backend, "fault": fault, "emulation": emulation},
+        params={"backend": backend, "fault": fault, "emulation": emulation, "logit_recorder": logit_recorder},
     )
