@@ -1,0 +1,40 @@
+"""Shared by the opt-in Megatron-LM tests: a patched, runnable copy of a checkout."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+
+from mechmon_megatron.adapters import megatron_lm_patch as mp
+
+SOURCES = ("megatron", "pretrain_gpt.py", "gpt_builders.py", "model_provider.py")
+
+
+def copy_patched_checkout(source: str, root: str) -> str:
+    """Copy the sources pretrain_gpt.py needs (never the .git) to ``root`` and apply our patch."""
+    os.makedirs(root, exist_ok=True)
+    for name in SOURCES:
+        src = os.path.join(source, name)
+        if os.path.exists(src):
+            (shutil.copytree if os.path.isdir(src) else shutil.copy2)(src, os.path.join(root, name))
+    mp.apply(root)
+    _provide_dataset_helpers(root)
+    return root
+
+
+def _provide_dataset_helpers(root: str) -> None:
+    """Megatron builds megatron/core/datasets/helpers_cpp with make + pybind11 on start; reuse the
+    installed megatron-core wheel's build when it is the same release (our CPU compat then skips make)."""
+    target = os.path.join(root, "megatron", "core", "datasets")
+    if glob.glob(os.path.join(target, "helpers_cpp*.so")):
+        return
+    try:
+        import megatron.core.datasets as installed
+        from megatron.core import package_info
+    except ImportError:
+        return
+    if mp.detect_release(root) != (package_info.MAJOR, package_info.MINOR, package_info.PATCH):
+        return
+    for built in glob.glob(os.path.join(os.path.dirname(installed.__file__), "helpers_cpp*.so")):
+        shutil.copy2(built, target)

@@ -1,0 +1,127 @@
+"""End to end: Megatron-LM's own pretrain_gpt.py, patched by our tool, on CPU (opt-in).
+
+Needs a Megatron-LM checkout (core_v0.16.x tested): ``MEGATRON_LM_DIR=/path/to/Megatron-LM
+MECHMON_SLOW=1 pytest tests/megatron_lm/test_e2e.py``. Packages Megatron-LM imports beyond the
+project's (six, regex, pyyaml, pydantic, psutil, triton on 0.16.1) may live in a separate
+directory named by ``MECHMON_E2E_PYTHONPATH``. The checkout is copied; it is never modified.
+
+Two ranks (gloo, plain processes so each rank's exit code is visible), a tiny GPT-MoE on mock
+data, ``--mechmon-drill-at 20 --mechmon-action checkpoint-and-abort``; then a resume to 30.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from checkout_utils import copy_patched_checkout
+
+from mechmon_megatron.adapters import megatron_lm_patch as mp
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR")
+WORLD = 2
+EXIT_CODE = 42
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.distributed,
+    pytest.mark.skipif(not MEGATRON_LM_DIR, reason="set MEGATRON_LM_DIR to a Megatron-LM checkout to run the end-to-end test"),
+]
+
+TINY_GPT_MOE = [
+    "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
+    "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "4",
+    "--lr", "1e-3", "--lr-decay-style", "constant", "--mock-data", "--tokenizer-type", "NullTokenizer",
+    "--vocab-size", "256", "--split", "99,1,0", "--num-experts", "4", "--moe-router-topk", "2",
+    "--moe-token-dispatcher-type", "allgather", "--transformer-impl", "local", "--distributed-backend", "gloo",
+    "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
+    "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm", "--disable-bias-linear",
+    "--position-embedding-type", "rope", "--normalization", "RMSNorm",
+    "--log-interval", "5", "--eval-iters", "0", "--eval-interval", "1000", "--save-interval", "1000",
+    "--mechmon", "--mechmon-interval", "5", "--mechmon-delta", "5",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory):
+    """A patched copy of the checkout (sources only), with the dataset helpers available."""
+    root = str(tmp_path_factory.mktemp("megatron_lm") / "Megatron-LM")
+    copy_patched_checkout(MEGATRON_LM_DIR, root)
+    assert mp.check(root).overall == "applied"
+    return root
+
+
+def launch(checkout: str, workdir: str, extra: list[str], tag: str) -> tuple[list[int], str]:
+    """Start WORLD ranks of pretrain_gpt.py as torchrun would; return exit codes and rank 0+last logs."""
+    env = dict(os.environ)
+    paths = [checkout, REPO] + [p for p in os.environ.get("MECHMON_E2E_PYTHONPATH", "").split(os.pathsep) if p]
+    env.update(
+        PYTHONPATH=os.pathsep.join(paths), MECHMON_CPU_COMPAT="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
+    )
+    common = TINY_GPT_MOE + ["--save", os.path.join(workdir, "ckpt"), "--tensorboard-dir", os.path.join(workdir, "tb")]
+    procs, logs = [], []
+    for rank in range(WORLD):
+        log = os.path.join(workdir, f"{tag}_rank{rank}.log")
+        logs.append(log)
+        rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0")
+        with open(log, "w") as out:
+            procs.append(subprocess.Popen([sys.executable, "pretrain_gpt.py"] + common + extra, cwd=checkout, env=rank_env, stdout=out, stderr=subprocess.STDOUT))
+    try:
+        codes = [p.wait(timeout=900) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    text = "".join(open(log).read() for log in logs)
+    return codes, text
+
+
+def _tail(text: str, n: int = 60) -> str:
+    return "\n".join(text.splitlines()[-n:])
+
+
+def test_drill_checkpoints_aborts_and_resumes(checkout, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    workdir = str(tmp_path)
+    codes, log = launch(checkout, workdir, ["--train-iters", "30", "--mechmon-drill-at", "20",
+                                            "--mechmon-action", "checkpoint-and-abort",
+                                            "--mechmon-exit-code", str(EXIT_CODE)], "abort")
+    assert codes == [EXIT_CODE] * WORLD, _tail(log)
+
+    ckpt = os.path.join(workdir, "ckpt")
+    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == "20"
+    iter_dir = os.path.join(ckpt, "iter_0000020")
+    for rank in range(WORLD):  # torch_dist: every rank wrote its shard files
+        assert glob.glob(os.path.join(iter_dir, f"__{rank}_*.distcp")), os.listdir(iter_dir)
+    assert set(os.listdir(ckpt)) == {"iter_0000020", "latest_checkpointed_iteration.txt"}  # the abort save only
+    alert = json.load(open(os.path.join(iter_dir, "mechmon_alert.json")))
+    assert alert["iteration"] == 20 and alert["family"] == "drill" and alert["exit_code"] == EXIT_CODE
+    assert alert["checkpoint_dir"] == iter_dir
+    assert json.load(open(os.path.join(iter_dir, "mechmon_state.json")))["version"] == 1
+
+    events = EventAccumulator(glob.glob(os.path.join(workdir, "tb", "events.out.tfevents.*"))[0], size_guidance={"scalars": 0})
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for name in ("mechmon/attn/delta2_entropy/layer_1", "mechmon/router/token_entropy/layer_2", "mechmon/alarm", "lm loss"):
+        assert name in tags, sorted(tags)
+    assert max(e.value for e in events.Scalars("mechmon/alarm") if e.step == 20) == 1.0
+
+    codes, log = launch(checkout, workdir, ["--train-iters", "30", "--load", ckpt], "resume")
+    assert codes == [0] * WORLD, _tail(log)
+    assert "restored detector state from" in log and "iteration       30/      30" in log
+    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == "30"
