@@ -127,6 +127,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                          f"--pipeline-model-parallel-size {pp}.")
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False
+    if args.num_experts is not None and tp > 1 and not args.sequence_parallel:
+        raise ValueError("--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel "
+                         "(megatron-core refuses MoE + TP without it).")
     if args.num_query_groups is None:
         args.num_query_groups = args.num_attention_heads
     if args.ffn_hidden_size is None:
