@@ -3,7 +3,7 @@
 Written by the last rank only (as Megatron-LM's ``get_tensorboard_writer``): it sits on the last
 pipeline stage, where the loss is known. TensorBoard scalars use Megatron's names: ``lm loss``,
 ``grad-norm``, ``learning-rate``. JSONL keys: ``iteration``, ``lm_loss``, ``grad_norm``, ``lr``,
-``step_time_s``.
+``step_time_s``, ``wall_time`` (Unix time when the row was written).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class MetricsWriter:
             self.tensorboard.add_scalar("learning-rate", lr, iteration)
         if self._jsonl is not None:
             row = {"iteration": iteration, "lm_loss": lm_loss, "grad_norm": grad_norm, "lr": lr,
-                   "step_time_s": step_time_s, **(extra or {})}
+                   "step_time_s": step_time_s, "wall_time": time.time(), **(extra or {})}
             self._jsonl.write(json.dumps(row) + "\n")
             self._jsonl.flush()
         if iteration % self.args.log_interval == 0:
