@@ -18,6 +18,19 @@ EXTRAS = {
     ],
 }
 
+def _patch_files() -> list[tuple[str, list[str]]]:
+    """Ship patches/megatron-lm/<release>/*.patch for non-editable installs (mechmon-patch)."""
+    import glob
+    import os
+
+    out = []
+    for release_dir in sorted(glob.glob(os.path.join("patches", "megatron-lm", "*"))):
+        files = sorted(glob.glob(os.path.join(release_dir, "*.patch")))
+        if files:
+            out.append((os.path.join("share", "mechmon-megatron", release_dir), files))
+    return out
+
+
 setup(
     name="mechmon-megatron",
     version="0.1.0",
@@ -31,5 +44,7 @@ setup(
     packages=find_packages(include=["mechmon_megatron", "mechmon_megatron.*"]),
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
+    data_files=_patch_files(),
+    entry_points={"console_scripts": ["mechmon-patch=mechmon_megatron.adapters.megatron_lm_patch:main"]},
     license="Apache-2.0",
 )

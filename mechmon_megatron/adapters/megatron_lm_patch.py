@@ -176,12 +176,16 @@ def detect_release(root: str) -> tuple[int, int, int]:
 
 
 def default_patches_dir() -> str:
-    """``$MECHMON_PATCHES_DIR``, else ``patches/megatron-lm`` of the source tree holding this file."""
+    """``$MECHMON_PATCHES_DIR``, else ``patches/megatron-lm`` of the source tree holding this file
+    (editable install), else the copy a wheel installs under ``<prefix>/share/mechmon-megatron``."""
     env = os.environ.get("MECHMON_PATCHES_DIR")
     if env:
         return env
     here = os.path.dirname(os.path.abspath(__file__))
-    return os.path.join(here, os.pardir, os.pardir, "patches", "megatron-lm")
+    source_tree = os.path.join(here, os.pardir, os.pardir, "patches", "megatron-lm")
+    if os.path.isdir(source_tree):
+        return source_tree
+    return os.path.join(sys.prefix, "share", "mechmon-megatron", "patches", "megatron-lm")
 
 
 def select_release(root: str, release: Optional[str], patches_dir: str) -> str:
