@@ -45,6 +45,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from mechmon_megatron.adapters.mcore.param_sync import force_param_sync
 from mechmon_megatron.cli.args import ArgsProvider, add_mechmon_args, chain_providers, config_from_args
 from mechmon_megatron.session.config import MechmonConfig
 from mechmon_megatron.session.session import MonitoringSession
@@ -97,21 +98,6 @@ def read_state(directory: str) -> Optional[dict]:
         return None
     with open(path, encoding="utf-8") as f:
         return json.load(f)
-
-
-def force_param_sync(model_chunks: Sequence[torch.nn.Module]) -> int:
-    """All-gather parameters now (distributed optimizer with overlapped param gather).
-
-    Feature-detected: chunks without ``start_param_sync`` (FSDP, plain modules) are skipped.
-    Returns the number of chunks synced.
-    """
-    synced = 0
-    for chunk in model_chunks:
-        start = getattr(chunk, "start_param_sync", None)
-        if callable(start):
-            start(force_sync=True)
-            synced += 1
-    return synced
 
 
 def _barrier() -> None:

@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from mechmon_megatron.adapters.mcore.param_sync import force_param_sync, overlaps_param_gather
 from mechmon_megatron.adapters.mcore.session_factory import build_mcore_session
 from mechmon_megatron.session.config import MechmonConfig
 from mechmon_megatron.session.session import MonitoringSession
@@ -38,10 +39,12 @@ class MechmonCallback:
         self.session: Optional[MonitoringSession] = None
         self._pending_state: Optional[dict] = None
         self._abort_iteration: Optional[int] = None
+        self._model_chunks: list = []
 
     # ctx: TrainContext of the loop (args, model_chunks, optimizer, iteration, tensorboard_writer)
     def on_train_start(self, ctx: Any) -> None:
         tensorboard_dir = getattr(getattr(ctx, "args", None), "tensorboard_dir", None)
+        self._model_chunks = list(ctx.model_chunks)
         self.session = build_mcore_session(
             self.config,
             ctx.model_chunks,
@@ -61,6 +64,10 @@ class MechmonCallback:
     def on_step_end(self, iteration: int, ctx: Any = None) -> Optional[MechmonExitRequest]:
         if self.session is None:
             return None
+        cfg = self.session.config
+        reads = cfg.is_check_step(iteration) or cfg.is_snapshot_step(iteration)
+        if reads and overlaps_param_gather(self._model_chunks):
+            force_param_sync(self._model_chunks)
         decision = self.session.on_step_end(iteration)
         if not decision.abort:
             return None
