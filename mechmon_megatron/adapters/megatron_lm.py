@@ -141,15 +141,14 @@ class MegatronLMHooks:
         if not self.config.enabled:
             return None
         builder = self._session_builder or _default_builder
+        wandb_run = self._get_wandb_writer()
         session = builder(
             self.config,
             list(model_chunks),
             host_tensorboard=self._get_tensorboard_writer(),
             tensorboard_dir=getattr(args, "tensorboard_dir", None),
+            extra_writers=[WandbScalarWriter(wandb_run)] if wandb_run is not None else [],
         )
-        wandb_run = self._get_wandb_writer()
-        if wandb_run is not None and session.enabled and session.comm.is_writer and hasattr(session.writer, "writers"):
-            session.writer.writers.append(WandbScalarWriter(wandb_run))
         self.session = session
         self._restore(args, start_iteration)
         session.on_train_start(start_iteration)
@@ -177,7 +176,7 @@ class MegatronLMHooks:
     def after_forward_backward(self) -> None:
         """The training step returned: stop capturing (evaluation forwards must not count)."""
         if self.session is not None and self.session.enabled:
-            self.session.capturing = False
+            self.session.stop_capture()
 
     def after_step(self, model_chunks: Sequence[torch.nn.Module], iteration: int) -> bool:
         """After the optimizer step of ``iteration``; True when the job must save and exit."""
@@ -227,10 +226,10 @@ class MegatronLMHooks:
             self.session.close()
 
 
-def _default_builder(config, model_chunks, host_tensorboard=None, tensorboard_dir=None) -> MonitoringSession:
+def _default_builder(config, model_chunks, host_tensorboard=None, tensorboard_dir=None, extra_writers=()) -> MonitoringSession:
     from mechmon_megatron.adapters.mcore.session_factory import build_mcore_session
 
-    return build_mcore_session(config, model_chunks, host_tensorboard, tensorboard_dir, writer_rank=-1)
+    return build_mcore_session(config, model_chunks, host_tensorboard, tensorboard_dir, writer_rank=-1, extra_writers=extra_writers)
 
 
 # ---------------------------------------------------------------------------- wrapping

@@ -116,19 +116,25 @@ class MonitoringSession:
         self.capturing = bool(self.router_sites) and self.config.is_check_step(iteration)
         return self.capturing
 
+    def stop_capture(self) -> None:
+        """The check step's training forwards are done: later forwards (eval) are not captured."""
+        if self.enabled:
+            self.capturing = False
+
     def on_step_end(self, iteration: int) -> Decision:
         """Run the check / snapshot due at ``iteration`` and return the agreed decision."""
         if not self.enabled:
             return Decision(iteration)
         start = time.perf_counter()
         decision = Decision(iteration)
+        drill = self.config.is_drill_step(iteration)
         if self.config.is_check_step(iteration):
-            decision = self._check(iteration)
+            decision = self._check(iteration, drill)
+        elif drill:
+            decision = self._drill(iteration)
         self.capturing = False
         if self.config.is_snapshot_step(iteration):
             self._take_snapshot(iteration)
-        if self.config.is_drill_step(iteration):
-            decision = self._drill(iteration, decision)
         self._overhead_s += time.perf_counter() - start
         if decision.alarm and self.config.action == "checkpoint-and-abort":
             decision.abort = True
@@ -220,7 +226,7 @@ class MonitoringSession:
             logger.exception("[mechmon] monitor failed (counted in mechmon/errors; training goes on)")
             return None
 
-    def _check(self, iteration: int) -> Decision:
+    def _check(self, iteration: int, drill: bool = False) -> Decision:
         cfg = self.config
         outputs: list[CheckOutput] = []
         snapshot = self._snapshots.pop(iteration, None)
@@ -255,7 +261,7 @@ class MonitoringSession:
         alerts: list[Alert] = []
         if self.comm.is_writer:
             try:
-                alerts = self._decide(iteration, gathered)
+                alerts = self._decide(iteration, gathered, drill)
             except Exception:  # noqa: BLE001
                 if cfg.strict:
                     raise
@@ -264,12 +270,16 @@ class MonitoringSession:
             flag = _ALARM if alerts else _NO_ALARM
         flag = self.comm.broadcast_flag(flag)
         self._overhead_s = 0.0
-        return Decision(iteration, alarm=flag == _ALARM, alerts=alerts)
+        # A drill alarms on every rank even if the writer's decision failed: all know the step.
+        alarm = flag == _ALARM or drill
+        if drill and not self.comm.is_writer:
+            alerts = [_drill_alert(iteration)]
+        return Decision(iteration, alarm=alarm, alerts=alerts)
 
-    def _decide(self, iteration: int, gathered: list[dict]) -> list[Alert]:
+    def _decide(self, iteration: int, gathered: list[dict], drill: bool = False) -> list[Alert]:
         """Writer rank: write scalars, feed detectors, return the alarms of this check."""
         scalars = merge_partials([part for payload in gathered for part in payload["scalars"]])
-        alerts: list[Alert] = []
+        alerts: list[Alert] = [_drill_alert(iteration)] if drill else []
         warnings = 0
         for payload in gathered:
             for message in payload["nonfinite"]:
@@ -305,17 +315,19 @@ class MonitoringSession:
         self.alerts.extend(alerts)
         return alerts
 
-    def _drill(self, iteration: int, decision: Decision) -> Decision:
-        """Synthetic alarm at --mechmon-drill-at: every rank knows the step, no collective needed."""
-        alert = Alert(iteration, "drill", "drill", None, None, 0.0, None, None, iteration, "rehearsal requested by --mechmon-drill-at")
+    def _drill(self, iteration: int) -> Decision:
+        """Synthetic alarm at --mechmon-drill-at off a check step: every rank knows the step."""
+        alert = _drill_alert(iteration)
         if self.comm.is_writer:
             logger.warning(alert.describe())
             self.alerts.append(alert)
             self.writer.write_scalars({names.ALARM: 1.0}, iteration)
             self.writer.flush()
-        decision.alarm = True
-        decision.alerts = decision.alerts + [alert]
-        return decision
+        return Decision(iteration, alarm=True, alerts=[alert])
+
+
+def _drill_alert(iteration: int) -> Alert:
+    return Alert(iteration, "drill", "drill", None, None, 0.0, None, None, iteration, "rehearsal requested by --mechmon-drill-at")
 
 
 def _layer_of(message: str) -> Optional[int]:

@@ -37,7 +37,7 @@ def _sequence_parallel(model_chunks: Sequence[torch.nn.Module]) -> bool:
 
 def build_writer(
     config: MechmonConfig, is_writer: bool, host_tensorboard: Any = None, tensorboard_dir: Optional[str] = None
-) -> ScalarWriter:
+) -> WriterGroup:
     """Writer-rank outputs: the host's TensorBoard writer if it has one, else our own in
     ``--mechmon-log-dir`` (or ``--tensorboard-dir``); plus a JSONL copy in the log dir."""
     if not is_writer:
@@ -58,12 +58,14 @@ def build_mcore_session(
     host_tensorboard: Any = None,
     tensorboard_dir: Optional[str] = None,
     writer_rank: int = -1,
+    extra_writers: Sequence[ScalarWriter] = (),
 ) -> MonitoringSession:
     """Discover attention layers and routers in ``model_chunks`` and attach a session.
 
     Call on every rank after the model is built (and wrapped in DDP). ``host_tensorboard`` is
     the host's ``SummaryWriter`` (Megatron creates it on the last rank only); ``writer_rank``
-    is the global rank that writes (default: last, matching Megatron).
+    is the global rank that writes (default: last, matching Megatron). ``extra_writers`` (e.g.
+    W&B) are used on the writer rank only.
     """
     if not config.enabled:
         return MonitoringSession(config)
@@ -92,6 +94,8 @@ def build_mcore_session(
         capture_enabled=lambda: holder["session"].capturing,
     )
     writer = build_writer(config, comm.is_writer, host_tensorboard, tensorboard_dir)
+    if comm.is_writer:
+        writer.writers.extend(extra_writers)
     session = MonitoringSession(config, attn, routers, comm=comm, writer=writer)
     holder["session"] = session
     _notice(config, found_attention, found_routers)

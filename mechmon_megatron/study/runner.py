@@ -1,0 +1,153 @@
+"""Launch the study's training runs as parallel subprocesses, with one progress bar.
+
+Each run gets its own directory ``OUT/runs/<run_id>/`` with
+
+- ``metrics.jsonl`` (the trainer's ``--metrics-jsonl``), which also feeds the progress bar;
+- ``mechmon/`` (``--mechmon-log-dir``: ``mechmon_scalars.jsonl``);
+- ``tensorboard/`` (``--tensorboard-dir``: loss, grad norm, LR and the ``mechmon/`` scalars);
+- ``stdout.log`` (the trainer's output) and ``command.txt`` (the exact command line).
+
+Runs are independent processes (world size 1, one torch thread each, ``--num-threads 1``), so
+``jobs`` runs use about ``jobs`` cores. A run that exits non-zero is recorded with its exit code
+and its last lines of output; the study goes on.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from mechmon_megatron.study.scenarios import MECHMON_DIR, METRICS_FILE, TENSORBOARD_DIR, RunSpec
+
+DEFAULT_TRAINER = os.path.join("examples", "pretrain_scripts", "pretrain_gpt_mechmon.py")
+"""The example trainer, relative to the repository root."""
+
+
+def repo_root() -> str:
+    """The repository root (two levels above this package)."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@dataclass
+class RunResult:
+    """Outcome of one launched run."""
+
+    spec: RunSpec
+    run_dir: str
+    returncode: Optional[int]
+    wall_s: float
+    tail: str = ""
+
+
+def run_dir(out_dir: str, spec: RunSpec) -> str:
+    return os.path.join(out_dir, "runs", spec.run_id)
+
+
+def build_command(spec: RunSpec, directory: str, trainer: str, python: str = sys.executable) -> list[str]:
+    """The trainer command of one run, with its output paths."""
+    return [
+        python, trainer, *spec.flags,
+        "--num-threads", "1",
+        "--metrics-jsonl", os.path.join(directory, METRICS_FILE),
+        "--mechmon-log-dir", os.path.join(directory, MECHMON_DIR),
+        "--tensorboard-dir", os.path.join(directory, TENSORBOARD_DIR),
+    ]
+
+
+def _count_lines(path: str) -> int:
+    try:
+        with open(path, "rb") as f:
+            return sum(1 for _ in f)
+    except FileNotFoundError:
+        return 0
+
+
+def _tail(path: str, lines: int = 15) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except FileNotFoundError:
+        return ""
+
+
+def _progress_bar(total: int, disable: bool):
+    try:
+        from tqdm import tqdm
+    except ImportError as exc:  # tqdm is in the `test` extra
+        raise ImportError("the fault study's progress bar needs tqdm: pip install 'mechmon-megatron[test]'") from exc
+    return tqdm(total=total, unit="step", desc="fault study", disable=disable, dynamic_ncols=True)
+
+
+def launch_runs(
+    specs: Sequence[RunSpec],
+    out_dir: str,
+    jobs: int = 1,
+    trainer: Optional[str] = None,
+    progress: bool = True,
+    poll_s: float = 1.0,
+) -> list[RunResult]:
+    """Run every spec (at most ``jobs`` at a time), fresh: an existing run dir is emptied.
+
+    ``trainer`` is the training script (default: the example trainer of this repository).
+    Returns one :class:`RunResult` per spec, in the order of ``specs``.
+    """
+    if jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {jobs}.")
+    root = repo_root()
+    trainer = trainer or os.path.join(root, DEFAULT_TRAINER)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)  # each run is its own single-process world
+    pending = list(enumerate(specs))
+    active: dict[int, tuple[subprocess.Popen, float, str, object]] = {}
+    results: dict[int, RunResult] = {}
+    bar = _progress_bar(sum(s.train_iters for s in specs), disable=not progress)
+    done_steps: dict[int, int] = {}
+    try:
+        while pending or active:
+            while pending and len(active) < jobs:
+                index, spec = pending.pop(0)
+                directory = run_dir(out_dir, spec)
+                _fresh_dir(directory)
+                cmd = build_command(spec, directory, trainer)
+                with open(os.path.join(directory, "command.txt"), "w", encoding="utf-8") as f:
+                    f.write(shlex.join(cmd) + "\n")
+                log = open(os.path.join(directory, "stdout.log"), "w", encoding="utf-8")
+                proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
+                active[index] = (proc, time.monotonic(), directory, log)
+                done_steps[index] = 0
+            time.sleep(poll_s)
+            for index in list(active):
+                proc, start, directory, log = active[index]
+                steps = min(_count_lines(os.path.join(directory, METRICS_FILE)), specs[index].train_iters)
+                if proc.poll() is not None:
+                    log.close()
+                    steps = specs[index].train_iters  # finished (or stopped early): count it all
+                    results[index] = RunResult(
+                        specs[index], directory, proc.returncode, time.monotonic() - start,
+                        _tail(os.path.join(directory, "stdout.log")) if proc.returncode else "",
+                    )
+                    del active[index]
+                bar.update(steps - done_steps[index])
+                done_steps[index] = steps
+                bar.set_postfix_str(f"running {len(active)}, done {len(results)}/{len(specs)}")
+    finally:
+        for proc, _, _, log in active.values():  # interrupted: stop our own children only
+            proc.terminate()
+            log.close()
+        bar.close()
+    return [results[i] for i in range(len(specs))]
+
+
+def _fresh_dir(directory: str) -> None:
+    """An empty ``directory`` (the trainer appends to its JSONL files, so old runs must go)."""
+    if os.path.isdir(directory):
+        shutil.rmtree(directory)
+    os.makedirs(directory)
