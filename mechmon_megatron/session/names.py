@@ -29,7 +29,8 @@ Router (family ``router``), per MoE layer:
 Session:
     mechmon/alarm         1 when any stream alarmed at this check (the action ran), else 0
     mechmon/warnings      number of streams out of band at this check (not yet alarms)
-    mechmon/overhead_ms   wall time the session spent on this step (snapshot + check), ms
+    mechmon/overhead_ms   session wall time since the previous check (snapshots + this check), ms,
+                          max over ranks (router-logit capture inside the forward is not included)
     mechmon/errors        cumulative count of monitor exceptions swallowed (non-strict mode)
 """
 

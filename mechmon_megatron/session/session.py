@@ -101,6 +101,7 @@ class MonitoringSession:
         self.alerts: list[Alert] = []
         self._snapshots: dict[int, dict[int, tuple]] = {}  # check step -> site index -> (heads, full)
         self._overhead_s = 0.0
+        self._step_start = time.perf_counter()
         self._pending_abort: Optional[Decision] = None
 
     # ------------------------------------------------------------------ host hooks
@@ -125,7 +126,7 @@ class MonitoringSession:
         """Run the check / snapshot due at ``iteration`` and return the agreed decision."""
         if not self.enabled:
             return Decision(iteration)
-        start = time.perf_counter()
+        self._step_start = time.perf_counter()
         decision = Decision(iteration)
         drill = self.config.is_drill_step(iteration)
         if self.config.is_check_step(iteration):
@@ -135,7 +136,7 @@ class MonitoringSession:
         self.capturing = False
         if self.config.is_snapshot_step(iteration):
             self._take_snapshot(iteration)
-        self._overhead_s += time.perf_counter() - start
+        self._overhead_s += time.perf_counter() - self._step_start
         if decision.alarm and self.config.action == "checkpoint-and-abort":
             decision.abort = True
             decision.exit_code = self.config.exit_code
@@ -254,7 +255,8 @@ class MonitoringSession:
             "streams": [s for o in outputs for s in o.streams],
             "nonfinite": [msg for o in outputs for msg in o.nonfinite],
             "errors": self.errors,
-            "overhead_s": self._overhead_s,
+            # Session time since the previous check: snapshots in between plus this check so far.
+            "overhead_s": self._overhead_s + (time.perf_counter() - self._step_start),
         }
         gathered = self.comm.gather_to_writer(payload)
         flag = _NO_ALARM
@@ -270,6 +272,7 @@ class MonitoringSession:
             flag = _ALARM if alerts else _NO_ALARM
         flag = self.comm.broadcast_flag(flag)
         self._overhead_s = 0.0
+        self._step_start = time.perf_counter()  # what follows is counted towards the next check
         # A drill alarms on every rank even if the writer's decision failed: all know the step.
         alarm = flag == _ALARM or drill
         if drill and not self.comm.is_writer:
