@@ -14,7 +14,7 @@ $(STAMP): setup.py tools/requirements/pinned-cpu.txt tools/bootstrap_venv.sh
 venv: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest tests -q $(PYTEST_ARGS)
+	$(PY) -m pytest tests -q --durations=15 $(PYTEST_ARGS)
 
 # Opt-in slow tests (long fault-study runs, end-to-end Megatron-LM, SLURM): see tests/README.md.
 test-slow: $(STAMP)
