@@ -364,12 +364,22 @@ def analyze_run(
     data: RunData,
     *,
     fault_onset: Optional[int],
+    router_fault_onset: Optional[int] = None,
     setting: DetectorSetting = DEFAULT_DETECTOR,
     divergence: DivergenceRule = DivergenceRule(),
     collapse: CollapseRule = CollapseRule(),
     growth: GrowthSetting = GrowthSetting(),
 ) -> dict[str, Any]:
-    """Everything ``results.json`` records for one run (except scenario/seed bookkeeping)."""
+    """Everything ``results.json`` records for one run (except scenario/seed bookkeeping).
+
+    ``router_fault_onset``: onset of a router-family fault when it differs from ``fault_onset``
+    (``combined``: the high LR acts from step 1, the FA fault from its onset); it applies to the
+    router families' leads and false-alarm flags.
+    """
+
+    def onset_of(key: str) -> Optional[int]:
+        return router_fault_onset if key in ROUTER_FAMILIES and router_fault_onset is not None else fault_onset
+
     mech = replay_mechmon(data, setting)
     symptoms = replay_symptoms(data, growth)
     first_alarm = {key: mech["first_alarm"].get(key, symptoms.get(key)) for key in ALARM_KEYS}
@@ -377,19 +387,19 @@ def analyze_run(
     col = collapse.first_step(data.checks)
     leads = {}
     for key in ALARM_KEYS:
-        steps, share = lead(first_alarm[key], div, fault_onset)
+        steps, share = lead(first_alarm[key], div, onset_of(key))
         leads[key] = {"steps": steps, "share": share}
     collapse_leads = {}
     for key in ROUTER_FAMILIES:
-        steps, share = lead(first_alarm[key], col, fault_onset)
+        steps, share = lead(first_alarm[key], col, onset_of(key))
         collapse_leads[key] = {"steps": steps, "share": share}
-    start = 0 if fault_onset is None else fault_onset
     false_alarms = {
-        key: (first_alarm[key] is not None and (fault_onset is None or first_alarm[key] < start))
+        key: first_alarm[key] is not None and (onset_of(key) is None or first_alarm[key] < onset_of(key))
         for key in ALARM_KEYS
     }
     return {
         "fault_onset": fault_onset,
+        "router_fault_onset": router_fault_onset,
         "divergence_step": div,
         "expert_collapse_step": col,
         "first_alarm": first_alarm,

@@ -62,13 +62,15 @@ def reported_runs(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def attributable_alarm(run: dict[str, Any], families: Sequence[str]) -> bool:
-    """Whether any family alarmed at/after the onset and before divergence (clean: ever)."""
-    onset = run.get("fault_onset")
-    start = 0 if onset is None else onset
+    """Whether any family alarmed at/after the onset and before divergence (clean: ever).
+    Router families use the run's ``router_fault_onset`` when it has one (``combined``)."""
     end = run.get("divergence_step")
     for family in families:
+        onset = run.get("fault_onset")
+        if family in ROUTER_FAMILIES and run.get("router_fault_onset") is not None:
+            onset = run["router_fault_onset"]
         step = run["first_alarm"].get(family)
-        if step is None or step < start:
+        if step is None or step < (0 if onset is None else onset):
             continue
         if end is None or step < end:
             return True
@@ -101,8 +103,10 @@ def evaluate_targets(results: dict[str, Any]) -> dict[str, Any]:
     fa_rows = []
     for r in (x for x in runs if x["scenario"] == "fa"):
         fa, div = r["first_alarm"], r["divergence_step"]
+        onset = r["fault_onset"] or 0
         share = r["lead_to_divergence"]["attn_delta2"]["share"]
-        earliest_other = [fa[k] for k in SYMPTOM_KEYS if fa[k] is not None and fa[k] >= (r["fault_onset"] or 0)]
+        # Symptom alarms before the onset are false alarms (listed apart), not earlier warnings.
+        after = {k: fa[k] for k in SYMPTOM_KEYS if fa[k] is not None and fa[k] >= onset}
         fa_rows.append(
             {
                 "seed": r["seed"],
@@ -110,9 +114,11 @@ def evaluate_targets(results: dict[str, Any]) -> dict[str, Any]:
                 and _before(fa["attn_dw"], div),
                 "delta2_lead_share": share,
                 "delta2_lead_share_ge_50pct": share is not None and share >= 0.5,
-                "delta2_before_every_symptom": fa["attn_delta2"] is not None
-                and all(_before(fa["attn_delta2"], fa[k]) for k in SYMPTOM_KEYS),
-                "earliest_symptom_after_onset": min(earliest_other) if earliest_other else None,
+                "delta2_before_every_symptom": fa["attn_delta2"] is not None and fa["attn_delta2"] >= onset
+                and all(fa["attn_delta2"] < v for v in after.values()),
+                "earliest_symptom_after_onset": min(after.values()) if after else None,
+                "earliest_symptom_after_onset_name": min(after, key=after.get) if after else None,
+                "symptom_false_alarms_before_onset": {k: fa[k] for k in SYMPTOM_KEYS if fa[k] is not None and fa[k] < onset},
                 "delta2_alarm": fa["attn_delta2"],
                 "divergence_step": div,
             }
@@ -128,8 +134,9 @@ def evaluate_targets(results: dict[str, Any]) -> dict[str, Any]:
                 "router_entropy_alarm": ent,
                 "expert_collapse_step": col,
                 "divergence_step": div,
-                "before_collapse": ent is not None and col is not None and ent < col,
-                "before_divergence_or_no_divergence": ent is not None and _before(ent, div),
+                # None (n/a) when the event never happened: the target cannot be judged.
+                "before_collapse": None if col is None else (ent is not None and ent < col),
+                "before_divergence": None if div is None else (ent is not None and ent < div),
             }
         )
     out["moe"] = moe_rows
@@ -199,14 +206,16 @@ def markdown_targets(results: dict[str, Any]) -> str:
             f"Δ2 lead share {('-' if share is None else f'{share:.0%}')} (target >= 50%: "
             f"{_yes(row['delta2_lead_share_ge_50pct'])}); Δ2 before every symptom baseline: "
             f"{_yes(row['delta2_before_every_symptom'])} (Δ2 {_fmt_step(row['delta2_alarm'])}, earliest "
-            f"symptom after onset {_fmt_step(row['earliest_symptom_after_onset'])})"
+            f"symptom after onset {_fmt_step(row['earliest_symptom_after_onset'])} "
+            f"{row['earliest_symptom_after_onset_name'] or ''}; false alarms before onset: "
+            f"{row['symptom_false_alarms_before_onset'] or 'none'})"
         )
     for row in t["moe"]:
         lines.append(
             f"- {row['scenario']} seed {row['seed']}: router-entropy alarm {_fmt_step(row['router_entropy_alarm'])}, "
             f"collapse {_fmt_step(row['expert_collapse_step'])}, divergence {_fmt_step(row['divergence_step'])}: "
             f"before collapse {_yes(row['before_collapse'])}, before divergence "
-            f"{_yes(row['before_divergence_or_no_divergence'])}"
+            f"{_yes(row['before_divergence'])}"
         )
     c = t["clean"]
     lines.append(
@@ -220,6 +229,16 @@ def markdown_targets(results: dict[str, Any]) -> str:
         f"{o['moe_runs_with_attention_alarm'][0]}/{o['moe_runs_with_attention_alarm'][1]}: met {_yes(o['met'])}"
     )
     return "\n".join(lines)
+
+
+def _online_check(results: dict[str, Any]) -> str:
+    """Offline == online: the replay with the session's default setting vs ``mechmon/alarm``."""
+    runs = results["runs"]
+    agree = [r for r in runs if r.get("online_first_alarm") == r.get("replay_first_alarm_default_setting")]
+    return (
+        f"Offline replay == online session (first `mechmon/alarm` vs the replay with the session's "
+        f"default detector setting, which the runs used online): {len(agree)}/{len(runs)} runs agree."
+    )
 
 
 def _yes(flag: Optional[bool]) -> str:
@@ -242,6 +261,8 @@ def markdown_report(results: dict[str, Any]) -> str:
         "",
         "`!` = alarm on a clean run or before the fault onset (false alarm); lead = divergence - alarm "
         "(share of divergence - onset).",
+        "",
+        _online_check(results),
         "",
         "### Orthogonality (runs alarmed at/after onset and before divergence / runs)",
         "",

@@ -17,8 +17,10 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -110,6 +112,7 @@ def launch_runs(
     results: dict[int, RunResult] = {}
     bar = _progress_bar(sum(s.train_iters for s in specs), disable=not progress)
     done_steps: dict[int, int] = {}
+    previous_handler = _exit_on_sigterm()
     try:
         while pending or active:
             while pending and len(active) < jobs:
@@ -143,7 +146,22 @@ def launch_runs(
             proc.terminate()
             log.close()
         bar.close()
+        if previous_handler is not None:
+            signal.signal(signal.SIGTERM, previous_handler)
     return [results[i] for i in range(len(specs))]
+
+
+def _exit_on_sigterm():
+    """Turn SIGTERM into ``SystemExit`` while runs are launched, so the ``finally`` above stops
+    the children instead of leaving them orphaned. Returns the previous handler (None when not
+    on the main thread, where handlers cannot be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def _raise(signum, frame):  # noqa: ARG001 -- signal handler signature
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, _raise)
 
 
 def _fresh_dir(directory: str) -> None:

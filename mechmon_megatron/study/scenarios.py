@@ -76,6 +76,10 @@ class Preset:
     mechmon_delta: int
     """Increment window in steps (``--mechmon-delta``)."""
 
+    lr_decay_iters: Optional[int] = None
+    """``--lr-decay-iters`` (default: the run length). The demo decays over the full study's
+    1,500 steps, so its 1,000 steps follow the same LR schedule as the full study."""
+
     seeds: tuple[int, ...] = (1,)
     """Default seeds of the reported runs."""
 
@@ -102,14 +106,15 @@ _MODEL = (
 PRESETS: dict[str, Preset] = {
     "demo": Preset(
         name="demo",
-        train_iters=1200,
+        train_iters=1000,
+        lr_decay_iters=1500,
         model_flags=_MODEL,
         base_lr=2e-3,
         high_lr=8e-3,
         base_global_batch=4,
         small_global_batch=1,
         fa_strength=32.0,
-        fa_onset=500,
+        fa_onset=400,
         mechmon_interval=20,
         mechmon_delta=100,
         seeds=(1,),
@@ -155,6 +160,10 @@ class Scenario:
             return None
         return 1
 
+    def router_fault_onset(self, preset: Preset) -> Optional[int]:
+        """First step of a router-family fault (high LR or small batch: 1), else None."""
+        return 1 if self.lr == "high" or self.global_batch == "small" else None
+
 
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
@@ -189,6 +198,8 @@ class RunSpec:
     seed: int
     train_iters: int
     fault_onset: Optional[int]
+    router_fault_onset: Optional[int] = None
+    """Onset of the router-family part of the fault when it differs (``combined``)."""
     flags: tuple[str, ...] = field(default_factory=tuple)
     calibration: bool = False
     """True for the clean calibration run (not reported in the table)."""
@@ -224,6 +235,7 @@ def trainer_flags(scenario: Scenario, preset: Preset, seed: int, train_iters: in
         "--micro-batch-size", str(gbs), "--global-batch-size", str(gbs),
         "--lr", repr(lr), "--min-lr", repr(lr / 10),
         "--train-iters", str(train_iters), "--seed", str(seed),
+        "--lr-decay-iters", str(preset.lr_decay_iters or train_iters),
         "--log-interval", "100", "--log-max-attn-logit",
         "--mechmon", "--mechmon-interval", str(preset.mechmon_interval),
         "--mechmon-delta", str(preset.mechmon_delta), "--mechmon-action", "log",
@@ -268,6 +280,7 @@ def plan_runs(
             runs.append(
                 RunSpec(
                     scenario=name, seed=seed, train_iters=iters, fault_onset=scenario.fault_onset(preset),
+                    router_fault_onset=scenario.router_fault_onset(preset),
                     flags=trainer_flags(scenario, preset, seed, iters),
                 )
             )

@@ -109,6 +109,7 @@ def _spec_json(spec: RunSpec, result: Optional[RunResult]) -> dict[str, Any]:
         "seed": spec.seed,
         "train_iters": spec.train_iters,
         "fault_onset": spec.fault_onset,
+        "router_fault_onset": spec.router_fault_onset,
         "calibration": spec.calibration,
         "run_id": spec.run_id,
         "returncode": None if result is None else result.returncode,
@@ -142,7 +143,12 @@ def analyze_study(
     runs = []
     for entry in plan["runs"]:
         run = {key: entry[key] for key in ("scenario", "seed", "train_iters", "fault_onset")}
-        run.update(analysis.analyze_run(data[entry["run_id"]], fault_onset=entry["fault_onset"], setting=setting))
+        run.update(
+            analysis.analyze_run(
+                data[entry["run_id"]], fault_onset=entry["fault_onset"],
+                router_fault_onset=entry.get("router_fault_onset"), setting=setting,
+            )
+        )
         run.update(
             calibration=entry["calibration"], run_id=entry["run_id"], returncode=entry["returncode"],
             wall_s=entry.get("wall_s"),
