@@ -1,0 +1,55 @@
+"""DeepSpeed adapter: the mechmon monitors on a DeepSpeed engine with one call.
+
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=..., config="ds_config.json")
+    mechmon = mechmon_megatron.deepspeed.attach(engine)   # reads the "mechmon" section of the config
+
+Then train as usual (``engine(batch)``, ``engine.backward(loss)``, ``engine.step()``,
+``engine.save_checkpoint(...)``, ``engine.load_checkpoint(...)``): checks run after applied
+steps, scalars go to ``engine.monitor`` under ``mechmon/``, detector state rides in the
+checkpoint's ``client_state``. See docs/DEEPSPEED.md.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping, Optional, Union
+
+from mechmon_megatron.adapters.deepspeed.config import config_from_ds_config, parse_section, read_ds_config
+from mechmon_megatron.adapters.deepspeed.engine_hooks import CLIENT_ALERT_KEY, CLIENT_STATE_KEY, MechmonDeepSpeed
+from mechmon_megatron.session.config import MechmonConfig
+
+__all__ = ["attach", "MechmonDeepSpeed", "config_from_ds_config", "parse_section", "CLIENT_STATE_KEY", "CLIENT_ALERT_KEY"]
+
+
+def _engine_ds_config(engine: Any) -> dict:
+    """The DeepSpeed config the engine was built from, as a dict."""
+    raw = getattr(engine, "config", None)
+    if isinstance(raw, Mapping):
+        return dict(raw)
+    if isinstance(raw, (str, os.PathLike)) and os.path.exists(raw):
+        return read_ds_config(raw)
+    param_dict = getattr(getattr(engine, "_config", None), "_param_dict", None)  # DeepSpeedConfig's parsed dict
+    return dict(param_dict or {})
+
+
+def attach(
+    engine: Any,
+    config: Union[None, MechmonConfig, Mapping[str, Any], str, os.PathLike] = None,
+    checkpoint_dir: Optional[str] = None,
+) -> MechmonDeepSpeed:
+    """Attach the monitors to ``engine`` on every rank (after ``deepspeed.initialize``).
+
+    ``config``: None (read the ``"mechmon"`` section of the engine's own DeepSpeed config), a
+    :class:`MechmonConfig`, a ``"mechmon"`` section dict, or a whole DeepSpeed config (dict or
+    JSON path) holding one. ``checkpoint_dir`` overrides ``mechmon.checkpoint_dir`` for
+    checkpoint-and-abort. A disabled config returns an object that does nothing.
+    """
+    if config is None:
+        config = config_from_ds_config(_engine_ds_config(engine))
+    elif isinstance(config, Mapping):
+        config = config_from_ds_config(config) if "mechmon" in config else parse_section(config)
+    elif isinstance(config, (str, os.PathLike)):
+        config = config_from_ds_config(config)
+    if not isinstance(config, MechmonConfig):
+        raise TypeError(f"attach(config=...) takes a MechmonConfig, a dict or a JSON path, got {type(config).__name__}")
+    return MechmonDeepSpeed(engine, config, checkpoint_dir=checkpoint_dir)

@@ -1,0 +1,326 @@
+"""Attach a monitoring session to a DeepSpeed engine (``MechmonDeepSpeed``).
+
+DeepSpeed has no callback API -- the user owns the loop -- so the adapter wraps three methods on
+the engine INSTANCE (the class is untouched):
+
+``engine.step``
+    After the original step, on steps where the update was applied (``was_step_applied()``,
+    i.e. gradient-accumulation boundaries without fp16 overflow), run the session for iteration
+    ``engine.global_steps``; then arm router capture for the next iteration.
+``engine.save_checkpoint``
+    Adds ``client_state["mechmon"] = session.state_dict()`` (detector baselines) and records the
+    checkpoint for the alert's "last checkpoint before the first warning".
+``engine.load_checkpoint``
+    Restores the detector state from the loaded ``client_state`` (no second warm-up) and restarts
+    the schedule at the loaded step.
+
+Who computes what:
+* Attention: every rank lists every attention layer (reads may be ZeRO collectives); the heads
+  and full-matrix dW of layer L are computed on rank ``(L - 1) % world`` only (round-robin).
+* Routers: token statistics are summed over the ranks that see distinct tokens (the
+  data-parallel group: the whole world for plain DP and for expert parallelism without tensor
+  parallelism); global rank 0 reports. The gate weight is replicated (EP shards experts only).
+* Scalars are written by global rank 0 through ``engine.monitor`` (DeepSpeed's monitor writes on
+  rank 0 only), plus ``log_dir`` (JSONL, and TensorBoard when the engine has none).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+from dataclasses import asdict
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from mechmon_megatron.adapters.deepspeed.attention_layouts import FoundAttention, find_attention, layer_numbers
+from mechmon_megatron.adapters.deepspeed.config import checkpoint_dir_of
+from mechmon_megatron.adapters.deepspeed.gate_capture import find_gates, install_gate_capture
+from mechmon_megatron.adapters.deepspeed.weights import read_full_param, read_is_collective
+from mechmon_megatron.session.config import MechmonConfig
+from mechmon_megatron.session.host import (
+    AttentionSite,
+    FullQK,
+    LocalCommunicator,
+    QKWeights,
+    RouterSite,
+    TorchDistributedCommunicator,
+)
+from mechmon_megatron.session.session import Decision, MonitoringSession
+from mechmon_megatron.session.writers import EventListWriter, JsonlScalarWriter, ScalarWriter, TensorBoardScalarWriter, WriterGroup
+
+logger = logging.getLogger(__name__)
+
+CLIENT_STATE_KEY = "mechmon"
+CLIENT_ALERT_KEY = "mechmon_alert"
+JSONL_NAME = "mechmon_scalars.jsonl"
+WRITER_RANK = 0  # DeepSpeed's MonitorMaster writes on global rank 0 only
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if _distributed() else 1
+
+
+class _AttentionReader:
+    """Per-check reads of one attention layer; rank ``owner`` reports it."""
+
+    def __init__(self, found: FoundAttention, owner: bool, full_matrix: bool) -> None:
+        self.found = found
+        self.owner = owner
+        self.full_matrix = full_matrix
+        self.collective = any(read_is_collective(p) for p in found.params)
+        self._cache: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    def read_full(self) -> Optional[FullQK]:
+        # The session calls read_full first on every rank; do the (possibly collective) read here.
+        self._cache = self.found.read(read_full_param) if (self.owner or self.collective) else None
+        if not (self.owner and self.full_matrix):
+            return None
+        wq, wk = self._cache
+        return FullQK(wq=wq.reshape(-1, wq.shape[-1]), wk=wk.reshape(-1, wk.shape[-1]))
+
+    def read_heads(self) -> Optional[QKWeights]:
+        cache, self._cache = self._cache, None
+        if not self.owner:
+            return None
+        wq, wk = cache if cache is not None else self.found.read(read_full_param)
+        return QKWeights(wq=wq, wk=wk, head_offset=0)
+
+
+class _RouterReader:
+    """Reduction and (prefetched) weight of one TopKGate."""
+
+    def __init__(self, gate: torch.nn.Module, group: Any) -> None:
+        self.gate = gate
+        self.group = group
+        self.weight: Optional[torch.Tensor] = None
+
+    def prefetch(self) -> None:
+        """Every rank, on check steps: the session reads the weight on the reporting rank only."""
+        self.weight = read_full_param(self.gate.wg.weight)
+
+    def read_weight(self) -> torch.Tensor:
+        weight, self.weight = self.weight, None
+        return weight if weight is not None else self.gate.wg.weight.detach().float()
+
+    def reduce_sum(self, vector: torch.Tensor) -> torch.Tensor:
+        if not _distributed() or dist.get_world_size(self.group) == 1:
+            return vector
+        device = self.gate.wg.weight.device  # NCCL needs the accelerator tensor
+        work = vector.to(device=device, dtype=torch.float64)
+        dist.all_reduce(work, group=self.group)
+        return work.cpu()
+
+
+def _token_group(engine: Any) -> tuple[Any, bool]:
+    """(group that sees distinct tokens, this rank reports): world without an mpu."""
+    mpu = getattr(engine, "mpu", None)
+    if mpu is None or not hasattr(mpu, "get_data_parallel_group"):
+        return None, _rank() == 0
+    group = mpu.get_data_parallel_group()
+    mp_rank = mpu.get_model_parallel_rank() if hasattr(mpu, "get_model_parallel_rank") else 0
+    return group, dist.get_rank(group) == 0 and mp_rank == 0
+
+
+def _tensor_parallel(engine: Any) -> int:
+    mpu = getattr(engine, "mpu", None)
+    if mpu is not None and hasattr(mpu, "get_model_parallel_world_size"):
+        return int(mpu.get_model_parallel_world_size())
+    return 1
+
+
+class MechmonDeepSpeed:
+    """The monitoring session attached to one DeepSpeed engine (see the module docstring).
+
+    Build with :func:`mechmon_megatron.deepspeed.attach`. Public: ``session``, ``config``,
+    ``restore(client_state)``, ``load_checkpoint(...)``, ``state_dict()``, ``detach()``.
+    """
+
+    def __init__(self, engine: Any, config: MechmonConfig, checkpoint_dir: Optional[str] = None) -> None:
+        self.engine = engine
+        self.config = config
+        self.checkpoint_dir = checkpoint_dir or checkpoint_dir_of(config)
+        self._last_save_dir: Optional[str] = None
+        self._handles: list = []
+        self._originals: dict[str, Any] = {}
+        if not config.enabled:
+            self.session = MonitoringSession(config)  # disabled: allocates nothing, no hooks
+            return
+        self.comm = TorchDistributedCommunicator(writer_rank=WRITER_RANK) if _distributed() else LocalCommunicator()
+        model = engine.module
+        self._attention_sites = self._build_attention_sites(model) if "attn" in config.monitors else []
+        self._routers: list[_RouterReader] = []
+        self._router_sites = self._build_router_sites(model) if "router" in config.monitors else []
+        self.writer = self._build_writer()
+        self.session = self._new_session()
+        self._armed = False
+        self._start(int(engine.global_steps))
+        self._wrap("step", self._step)
+        self._wrap("save_checkpoint", self._save_checkpoint)
+        self._wrap("load_checkpoint", self._load_checkpoint)
+        if _rank() == 0:
+            logger.info(
+                "[mechmon] DeepSpeed: monitoring %d attention layers and %d MoE gates (interval %d, delta %d, action %s)",
+                len(self._attention_sites), len(self._router_sites), config.interval, config.delta, config.action,
+            )
+
+    # ------------------------------------------------------------------ construction
+    def _build_attention_sites(self, model: torch.nn.Module) -> list[AttentionSite]:
+        found = find_attention(model, self.config.extra.get("attention_mapping", ()), notice=_rank() == 0)
+        if found and _tensor_parallel(self.engine) > 1:
+            if _rank() == 0:
+                logger.warning("[mechmon] tensor-parallel attention (mpu) is not supported by the DeepSpeed adapter: attention monitors skipped")
+            return []
+        sites = []
+        for found_one, layer in zip(found, layer_numbers([f.name for f in found])):
+            reader = _AttentionReader(found_one, owner=(layer - 1) % _world() == _rank(), full_matrix=self.config.full_matrix_dw)
+            sites.append(AttentionSite(layer, reader.read_heads, reader.read_full, found_one.name))
+        return sites
+
+    def _build_router_sites(self, model: torch.nn.Module) -> list[RouterSite]:
+        gates = list(find_gates(model))
+        group, reports = _token_group(self.engine)
+        sites = []
+        for (name, gate), layer in zip(gates, layer_numbers([n for n, _ in gates])):
+            reader = _RouterReader(gate, group)
+            site = RouterSite(
+                layer_number=layer,
+                num_experts=int(gate.wg.weight.shape[0] if not hasattr(gate.wg.weight, "ds_shape") else gate.wg.weight.ds_shape[0]),
+                topk=int(gate.k),
+                weight=reader.read_weight,
+                reduce_sum=reader.reduce_sum,
+                reports=reports,
+                name=name,
+            )
+            self._handles.append(install_gate_capture(gate, site, lambda: self.session.capturing))
+            self._routers.append(reader)
+            sites.append(site)
+        if not gates and _rank() == 0:
+            logger.warning("[mechmon] no deepspeed.moe TopKGate found: router monitors idle (dense model?)")
+        return sites
+
+    def _build_writer(self) -> WriterGroup:
+        if not self.comm.is_writer:
+            return WriterGroup()
+        writers: list[ScalarWriter] = []
+        monitor = getattr(self.engine, "monitor", None)
+        if monitor is not None and getattr(monitor, "enabled", False):
+            writers.append(EventListWriter(monitor))
+        if self.config.log_dir:
+            writers.append(JsonlScalarWriter(os.path.join(self.config.log_dir, JSONL_NAME)))
+            if getattr(monitor, "tb_monitor", None) is None:
+                writers.append(TensorBoardScalarWriter.in_directory(self.config.log_dir))
+        if not writers:
+            logger.warning("[mechmon] no output: enable a DeepSpeed monitor (tensorboard / csv_monitor / wandb) or set mechmon.log_dir")
+        return WriterGroup(writers)
+
+    def _new_session(self) -> MonitoringSession:
+        return MonitoringSession(self.config, self._attention_sites, self._router_sites, comm=self.comm, writer=self.writer)
+
+    def _wrap(self, method: str, replacement) -> None:
+        original = getattr(self.engine, method)
+        self._originals[method] = original
+        setattr(self.engine, method, functools.wraps(original)(functools.partial(replacement, original)))
+
+    def _start(self, iteration: int) -> None:
+        self.session.on_train_start(iteration)
+        self.session.on_step_start(iteration + 1)
+
+    # ------------------------------------------------------------------ wrapped engine methods
+    def _step(self, original, *args, **kwargs):
+        out = original(*args, **kwargs)
+        if self.engine.was_step_applied():
+            self._after_step(int(self.engine.global_steps))
+        else:  # accumulation micro-step or overflow: re-arm for the (unchanged or next) step
+            self.session.on_step_start(int(self.engine.global_steps) + 1)
+        return out
+
+    def _after_step(self, iteration: int) -> None:
+        if self.config.is_check_step(iteration):
+            for router in self._routers:
+                router.prefetch()  # collective reads on every rank, before the session's reads
+        decision = self.session.on_step_end(iteration)
+        if decision.abort:
+            self._abort(decision)
+        self.session.on_step_start(iteration + 1)
+
+    def _save_checkpoint(self, original, save_dir, tag=None, client_state=None, *args, **kwargs):
+        merged = dict(client_state or {})
+        merged[CLIENT_STATE_KEY] = self.session.state_dict()
+        out = original(save_dir, tag, merged, *args, **kwargs)
+        self._last_save_dir = str(save_dir)
+        step = int(self.engine.global_steps)
+        self.session.on_checkpoint_saved(step, os.path.join(str(save_dir), str(tag or f"global_step{step}")))
+        return out
+
+    def _load_checkpoint(self, original, *args, **kwargs):
+        load_path, client_state = original(*args, **kwargs)
+        if load_path is not None:
+            self.restore(client_state or {})
+        return load_path, client_state
+
+    # ------------------------------------------------------------------ public
+    def restore(self, client_state: dict) -> None:
+        """Restore detector state from a loaded ``client_state`` and restart the schedule at the
+        engine's current step. ``engine.load_checkpoint`` calls this itself once attached."""
+        if not self.config.enabled:
+            return
+        self.session = self._new_session()  # fresh snapshots: the weights changed
+        self.session.load_state_dict((client_state or {}).get(CLIENT_STATE_KEY) or {})
+        self._start(int(self.engine.global_steps))
+
+    def load_checkpoint(self, *args, **kwargs):
+        """``engine.load_checkpoint(...)`` with the detector state restored; returns its result."""
+        return self.engine.load_checkpoint(*args, **kwargs)
+
+    def state_dict(self) -> dict:
+        return self.session.state_dict()
+
+    def detach(self) -> None:
+        """Remove the hooks and method wrappers and close the writers."""
+        for handle in self._handles:
+            handle.remove()
+        for method, original in self._originals.items():
+            setattr(self.engine, method, original)
+        for _, gate in find_gates(self.engine.module):
+            gate._mechmon_capture = False
+        self._handles, self._originals = [], {}
+        self.session.close()
+
+    # ------------------------------------------------------------------ abort
+    def _abort_dir(self) -> str:
+        directory = self.checkpoint_dir or self._last_save_dir or self.config.log_dir
+        if directory is None:
+            raise ValueError(
+                "mechmon checkpoint-and-abort needs a directory: set ds_config.mechmon.checkpoint_dir "
+                "(or call engine.save_checkpoint once, or set ds_config.mechmon.log_dir)"
+            )
+        return directory
+
+    def _abort(self, decision: Decision) -> None:
+        """Every rank: save a checkpoint with the alert, write mechmon_alert.json, exit."""
+        iteration = decision.iteration
+        directory = self._abort_dir()
+        tag = f"global_step{iteration}"
+        alert = {"iteration": iteration, "alerts": [asdict(a) for a in decision.alerts]}
+        self.engine.save_checkpoint(directory, tag=tag, client_state={CLIENT_ALERT_KEY: alert})
+        self.session.on_abort_checkpoint_saved(iteration, os.path.join(directory, tag))
+        self.session.close()
+        if _distributed():
+            dist.barrier()
+        if self.comm.is_writer:
+            logger.error("[mechmon] checkpoint saved in %s; exiting with code %d", os.path.join(directory, tag), decision.exit_code)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        sys.exit(decision.exit_code)

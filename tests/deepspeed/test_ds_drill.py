@@ -1,0 +1,57 @@
+"""checkpoint-and-abort drill on 2 DeepSpeed ranks (ZeRO-2, EP=2), then resume with detector state."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.deepspeed._ds_runs import read_csv_monitor, run_example, run_example_deepspeed_launcher
+
+pytest.importorskip("deepspeed")
+pytestmark = pytest.mark.distributed
+
+COMMON = ["--zero-stage", "2", "--ep-size", "2", "--save-interval", "2",
+          "--mechmon-set", "interval=2", "--mechmon-set", "delta=2", "--mechmon-set", "exit_code=42"]
+
+
+def test_drill_checkpoint_abort_then_resume(tmp_path: Path):
+    save, mon = tmp_path / "ckpt", tmp_path / "mon"
+    common = [*COMMON, "--save", save, "--monitor-dir", mon]
+    # The abort run under DeepSpeed's launcher, which exits with the workers' code (42); the
+    # resume below runs under torchrun.
+    drill = run_example_deepspeed_launcher([*common, "--train-iters", "8", "--mechmon-set", "drill_at=6",
+                                            "--mechmon-set", 'action="checkpoint-and-abort"'], nproc=2)
+    assert drill.returncode == 42 and not drill.timed_out, drill.output[-3000:]
+    assert "exits with return code = 42" in drill.output, drill.output[-3000:]
+
+    assert (save / "latest").read_text().strip() == "global_step6"
+    step6 = save / "global_step6"
+    files = sorted(p.name for p in step6.iterdir())
+    # every rank saved its ZeRO partition and its experts (EP rank 0: experts 0-1, rank 1: 2-3)
+    assert any(f.startswith("zero_pp_rank_0_") for f in files) and any(f.startswith("zero_pp_rank_1_") for f in files), files
+    assert sum("expert_" in f for f in files) == 2 * 4, files  # 2 layers x 4 experts
+    alert = json.loads((step6 / "mechmon_alert.json").read_text())
+    assert alert["iteration"] == 6 and alert["family"] == "drill" and alert["exit_code"] == 42
+    assert alert["last_checkpoint_before_first_warning"]["iteration"] == 4
+    states = torch.load(step6 / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    assert states["mechmon_alert"]["iteration"] == 6
+    assert states["mechmon"]["version"] == 1
+
+    series = read_csv_monitor(mon)
+    assert series["mechmon_alarm"][6] == 1.0 and series["mechmon_alarm"][4] == 0.0
+    assert {2, 4, 6} <= set(series["mechmon_router_token_entropy_layer_1"])
+
+    resumed = run_example([*common, "--train-iters", "10", "--load", save], nproc=2)
+    resumed.check(0)
+    assert "resumed from" in resumed.output and "at step 6" in resumed.output
+    assert (save / "latest").read_text().strip() == "global_step10"
+    state = torch.load(save / "global_step10" / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    text = json.dumps(state["mechmon"]["detectors"])
+    # checks 2, 4, 6 before the abort and 8, 10 after: the baseline was restored, not re-warmed
+    counts = [int(c) for c in re.findall(r'"num_finite": (\d+)', text)]
+    assert counts and max(counts) == 5, counts[:10]
+    assert "router/token_entropy/layer_2" in text and "delta2_entropy/layer_1/head_0" in text
