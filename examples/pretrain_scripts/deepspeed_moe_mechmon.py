@@ -294,6 +294,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.save and (not args.save_interval or args.train_iters % args.save_interval):
         engine.save_checkpoint(args.save)
     mechmon.detach()
+    # Leave together: a rank that exits while a peer is still inside a gloo collective makes the
+    # peer's gloo thread abort ("terminate called without an active exception").
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
     return 0
 
 

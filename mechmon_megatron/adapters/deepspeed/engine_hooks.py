@@ -319,6 +319,8 @@ class MechmonDeepSpeed:
         self.session.close()
         if _distributed():
             dist.barrier()
+            # Leave together, with no collective in flight (gloo threads abort otherwise).
+            dist.destroy_process_group()
         if self.comm.is_writer:
             logger.error("[mechmon] checkpoint saved in %s; exiting with code %d", os.path.join(directory, tag), decision.exit_code)
         sys.stdout.flush()
