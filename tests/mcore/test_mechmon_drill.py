@@ -28,9 +28,11 @@ def test_drill_checkpoint_abort_then_resume(tmp_path: Path):
     common = [*MODEL, *MECHMON, "--save", save, "--save-interval", "10", "--tensorboard-dir", tb]
     drill = run_torchrun(SCRIPT, [*common, "--mechmon-drill-at", "20", "--mechmon-action", "checkpoint-and-abort"],
                          nproc=2, timeout_s=240)
-    # torchrun itself exits 1 when a worker fails; every worker exited with our code.
+    # torchrun itself exits 1 when a worker fails, and SIGTERMs (-15) the workers still running
+    # once the first one has exited; its failure summary lists each failed worker's code.
     assert drill.returncode != 0 and not drill.timed_out, drill.output[-3000:]
-    assert len(re.findall(r"exitcode\s*:\s*42", drill.output)) == 2, drill.output[-3000:]
+    codes = [int(c) for c in re.findall(r"exitcode\s+:\s+(-?\d+)", drill.output)]
+    assert 42 in codes and set(codes) <= {42, -15}, (codes, drill.output[-3000:])
 
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "20"
     iter20 = save / "iter_0000020"
