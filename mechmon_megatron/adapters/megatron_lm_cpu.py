@@ -178,17 +178,9 @@ def _patch_compile_helpers() -> bool:
 
 
 def _patch_training_modules() -> list[str]:
-    proxy = _TrainingCpuTorch()
-    patched = []
-    for name in TRAINING_CUDA_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        if getattr(module, "torch", None) is torch:
-            module.torch = proxy
-            patched.append(name)
-    return patched
+    from mechmon_megatron.compat.cpu_megatron import replace_module_torch
+
+    return replace_module_torch(TRAINING_CUDA_MODULES, _TrainingCpuTorch())
 
 
 def enable_megatron_lm_cpu_compat() -> list[str]:

@@ -153,9 +153,13 @@ class _CpuTorch:
 
 
 def _patch_device_modules() -> list[str]:
-    proxy = _CpuTorch()
+    return replace_module_torch(CUDA_DEVICE_MODULES, _CpuTorch())
+
+
+def replace_module_torch(module_names, proxy) -> list[str]:
+    """Point the module-level ``torch`` of each importable module at ``proxy`` (global torch untouched)."""
     patched = []
-    for name in CUDA_DEVICE_MODULES:
+    for name in module_names:
         try:
             module = importlib.import_module(name)
         except ImportError:

@@ -13,32 +13,6 @@ from mechmon_megatron.adapters.mcore.discovery import find_modules
 from mechmon_megatron.adapters.mcore.qkv_layout import qkv_row_indices, split_qk
 
 
-@pytest.fixture(scope="module")
-def model_parallel():
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from mechmon_megatron.compat.cpu_megatron import enable_cpu_compat
-
-    enable_cpu_compat()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    try:
-        model_parallel_cuda_manual_seed(123)
-    except Exception:  # noqa: BLE001 -- CPU RNG tracker handled by the compat layer
-        pass
-    yield
-    parallel_state.destroy_model_parallel()
-    if created:
-        dist.destroy_process_group()
-
-
 def build_gpt(num_heads: int, num_groups: int, output_gate: bool = False, num_experts: int | None = None):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec

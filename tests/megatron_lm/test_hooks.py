@@ -25,28 +25,6 @@ from mechmon_megatron.session.alert import ALERT_FILENAME  # noqa: E402
 SEQ, VOCAB = 16, 64
 
 
-@pytest.fixture(scope="module")
-def model_parallel():
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from mechmon_megatron.compat.cpu_megatron import enable_cpu_compat
-
-    enable_cpu_compat()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(31500 + os.getpid() % 1000))
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
-    model_parallel_cuda_manual_seed(1234)
-    yield
-    parallel_state.destroy_model_parallel()
-    if created:
-        dist.destroy_process_group()
-
-
 def build(num_experts: int = 4):
     """A DDP-wrapped 2-layer GPT-MoE and a Megatron optimizer, as Megatron-LM's get_model builds."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
