@@ -37,6 +37,12 @@ def add_mechmon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--mechmon-drill-at", type=int, default=None, help="Raise a synthetic alarm at this iteration (rehearse the action).")
     g.add_argument("--mechmon-strict", action="store_true", help="Let monitor exceptions stop training (default: log and count).")
     g.add_argument("--mechmon-per-head-scalars", action="store_true", help="Also write one Delta2 scalar per head.")
+    g.add_argument(
+        "--mechmon-router-min-effective-experts",
+        type=str,
+        default=str(_DEFAULTS.router_min_effective_experts),
+        help="Routing-entropy floor as effective experts per token, exp(mean entropy): topk (default), a number >= 1, or off.",
+    )
     g.add_argument("--mechmon-detector-warmup", type=int, default=_DEFAULTS.detector_warmup, help="Checks forming each stream's baseline.")
     g.add_argument("--mechmon-detector-window", type=int, default=_DEFAULTS.detector_window, help="Past checks in the median/MAD baseline.")
     g.add_argument("--mechmon-detector-num-mads", type=float, default=_DEFAULTS.detector_num_mads, help="Alarm band width in robust sigmas (1.4826 MAD).")
@@ -68,6 +74,7 @@ def config_from_args(args: argparse.Namespace) -> MechmonConfig:
         drill_at=args.mechmon_drill_at,
         strict=bool(args.mechmon_strict),
         per_head_scalars=bool(args.mechmon_per_head_scalars),
+        router_min_effective_experts=args.mechmon_router_min_effective_experts,
         detector_warmup=args.mechmon_detector_warmup,
         detector_window=args.mechmon_detector_window,
         detector_num_mads=args.mechmon_detector_num_mads,

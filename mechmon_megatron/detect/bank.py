@@ -56,14 +56,20 @@ class DetectorBank(Mapping[str, BaselineRelativeDetector]):
         self._families[name] = fam
         return det
 
-    def update(self, name: str, step: int, value: float, family: str | None = None) -> DetectorEvent:
-        """Feed ``value`` of stream ``name`` at ``step``; creates the detector on first use."""
+    def update(
+        self, name: str, step: int, value: float, family: str | None = None, limit: float | None = None
+    ) -> DetectorEvent:
+        """Feed ``value`` of stream ``name`` at ``step``; creates the detector on first use.
+
+        ``limit``: optional absolute limit of this check in stream units
+        (:meth:`BaselineRelativeDetector.update`).
+        """
         det = self._detectors.get(name)
         if det is None:
             det = self._create(name, family)
         elif family is not None and family != self._families[name]:
             raise ValueError(f"stream {name!r} belongs to family {self._families[name]!r}, not {family!r}.")
-        return det.update(step, value)
+        return det.update(step, value, limit=limit)
 
     def family(self, name: str) -> str:
         """Family of an existing stream."""

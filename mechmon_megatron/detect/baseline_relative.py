@@ -16,6 +16,12 @@ Per check (one value of one stream, e.g. the Delta2 spectral entropy of layer 3 
 5. In-band values (and, unless ``freeze_baseline_when_out``, out-of-band ones) enter the
    baseline after the decision, so a value never judges itself.
 
+Optional absolute limit (``update(..., limit=x)``, in stream units): a value beyond it (below for
+``drop``, above for ``rise``) is out of band whatever the baseline says, **also during warm-up**,
+and never enters the baseline. It exists for faults that start with training, which a
+baseline formed in the first checks would absorb (e.g. a routing-entropy collapse under a
+mis-set learning rate: the session's limit is log(top-k), see ``session.router_check``).
+
 ``scale`` is 1.4826 x MAD of the window (``median``) or sqrt(pi/2) x EMA of |deviation|
 (``ema``); a zero scale (constant stream) is covered by the relative / absolute floors.
 """
@@ -55,6 +61,8 @@ class DetectorEvent:
         first_warning_step: step of the first check of the current out-of-band run, None when
             in band; on an alarm it gives the warning lead time.
         name: stream name (set by :class:`~mechmon_megatron.detect.bank.DetectorBank`).
+        limit: the absolute limit of this check (NaN when none was given).
+        beyond_limit: True when the value lay beyond ``limit`` (out of band because of it).
     """
 
     step: int
@@ -66,6 +74,8 @@ class DetectorEvent:
     fired: bool = False
     first_warning_step: int | None = None
     name: str = ""
+    limit: float = math.nan
+    beyond_limit: bool = False
 
     @property
     def is_alarm(self) -> bool:
@@ -143,41 +153,65 @@ class BaselineRelativeDetector:
 
     # -- decision -----------------------------------------------------------------------------
 
-    def update(self, step: int, value: float) -> DetectorEvent:
-        """Judge ``value`` (stream units) observed at training ``step``; returns the event."""
+    def update(self, step: int, value: float, limit: float | None = None) -> DetectorEvent:
+        """Judge ``value`` (stream units) observed at training ``step``; returns the event.
+
+        ``limit``: optional absolute limit in stream units (see the module docstring); it is
+        given per check, not stored, so the caller may derive it from the model's shape.
+        """
         step, value = int(step), float(value)
+        limit = math.nan if limit is None else float(limit)
+        beyond = self._beyond(value, limit)
         centre, scale = self.baseline()
         if not math.isfinite(value):
             threshold = self._threshold(centre, scale) if self._num_finite >= self.config.warmup else math.nan
-            event = self._out_of_band(step, value, centre, scale, threshold, force_alarm=True)
+            event = self._out_of_band(step, value, centre, scale, threshold, limit, False, force_alarm=True)
         elif self._num_finite < self.config.warmup:
-            self._num_finite += 1
-            self._absorb(value)
-            event = DetectorEvent(step, value, centre, scale, math.nan, "warmup", name=self.name)
+            if beyond:
+                event = self._out_of_band(step, value, centre, scale, limit, limit, True, force_alarm=False)
+            else:
+                self._num_finite += 1
+                self._absorb(value)
+                event = self._in_band(step, value, centre, scale, math.nan, limit, status="warmup")
         else:
             self._num_finite += 1
-            threshold = self._threshold(centre, scale)
-            out = value < threshold if self.config.direction == "drop" else value > threshold
-            if out:
-                event = self._out_of_band(step, value, centre, scale, threshold, force_alarm=False)
-                if not self.config.freeze_baseline_when_out:
+            threshold = self._binding_edge(self._threshold(centre, scale), limit)
+            relative_out = value < threshold if self.config.direction == "drop" else value > threshold
+            if relative_out or beyond:
+                event = self._out_of_band(step, value, centre, scale, threshold, limit, beyond, force_alarm=False)
+                if not self.config.freeze_baseline_when_out and not beyond:
                     self._absorb(value)
             else:
-                event = self._in_band(step, value, centre, scale, threshold)
+                event = self._in_band(step, value, centre, scale, threshold, limit)
                 self._absorb(value)
         self.last_event = event
         return event
 
-    def _in_band(self, step: int, value: float, centre: float, scale: float, threshold: float) -> DetectorEvent:
+    def _beyond(self, value: float, limit: float) -> bool:
+        if math.isnan(limit) or not math.isfinite(value):
+            return False
+        return value < limit if self.config.direction == "drop" else value > limit
+
+    def _binding_edge(self, threshold: float, limit: float) -> float:
+        """The stricter of the baseline threshold and the absolute limit."""
+        if math.isnan(limit):
+            return threshold
+        return max(threshold, limit) if self.config.direction == "drop" else min(threshold, limit)
+
+    def _in_band(
+        self, step: int, value: float, centre: float, scale: float, threshold: float, limit: float,
+        status: Status = "ok",
+    ) -> DetectorEvent:
         self._out_run = 0
         self._run_start_step = None
         self._in_run += 1
         if self._in_alarm and self._in_run >= self.config.rearm:
             self._in_alarm = False
-        return DetectorEvent(step, value, centre, scale, threshold, "ok", name=self.name)
+        return DetectorEvent(step, value, centre, scale, threshold, status, name=self.name, limit=limit)
 
     def _out_of_band(
-        self, step: int, value: float, centre: float, scale: float, threshold: float, force_alarm: bool
+        self, step: int, value: float, centre: float, scale: float, threshold: float, limit: float,
+        beyond_limit: bool, force_alarm: bool,
     ) -> DetectorEvent:
         self._in_run = 0
         self._out_run += 1
@@ -196,7 +230,9 @@ class BaselineRelativeDetector:
                 self.first_alarm_step = step
         else:
             status = "warning"
-        return DetectorEvent(step, value, centre, scale, threshold, status, fired, self._run_start_step, self.name)
+        return DetectorEvent(
+            step, value, centre, scale, threshold, status, fired, self._run_start_step, self.name, limit, beyond_limit
+        )
 
     # -- state --------------------------------------------------------------------------------
 

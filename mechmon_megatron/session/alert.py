@@ -31,7 +31,11 @@ class Alert:
             where += f" head {self.head}"
         detail = f"value {self.value:.6g}"
         if self.baseline is not None:
-            detail += f", baseline {self.baseline:.6g}, threshold {self.threshold:.6g}"
+            detail += f", baseline {self.baseline:.6g}"
+        elif self.threshold is not None:
+            detail += ", no baseline yet (detector warm-up)"
+        if self.threshold is not None:
+            detail += f", threshold {self.threshold:.6g}"
         return f"[mechmon] ALARM at iteration {self.iteration}: {self.family} {where} ({self.stream}): {detail}. {self.reason}".strip()
 
 

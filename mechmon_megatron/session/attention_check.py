@@ -31,6 +31,10 @@ class Stream:
     value: float
     layer_number: int
     head: Optional[int] = None
+    limit: Optional[float] = None
+    """Absolute limit in stream units (out of band beyond it from the first check), or None."""
+    limit_reason: str = ""
+    """What crossing ``limit`` means, for the alert."""
 
 
 Partial = tuple  # (reduction: "mean" | "min" | "value", value or sum, count)

@@ -6,8 +6,9 @@ key of the ``"mechmon"`` section of a DeepSpeed config (snake_case of the same n
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 MONITOR_FAMILIES = ("attn", "router")
 ACTIONS = ("log", "warn", "checkpoint-and-abort")
@@ -64,6 +65,14 @@ class MechmonConfig:
     router_entropy_bins: int = 512
     """Histogram bins over [0, log E] for routing-entropy quantiles (error <= log E / bins)."""
 
+    router_min_effective_experts: Union[float, str] = "topk"
+    """Absolute floor of the routing-entropy alarm, as an effective number of experts per token,
+    exp(mean full-softmax entropy) in [1, E]. ``"topk"`` (default): the router's top-k, i.e.
+    alarm when tokens spread their routing probability over fewer experts than each is dispatched
+    to (the stable-winner loop has started). It holds from the first check, so it catches a
+    collapse inside the detector's warm-up. ``0`` turns it off; top-1 routers have no floor under
+    ``"topk"`` (exp(H) >= 1 always)."""
+
     detector_warmup: int = 10
     """Checks that form a stream's baseline before it may alarm."""
 
@@ -100,11 +109,27 @@ class MechmonConfig:
         _require(self.snapshot_device in ("auto", "cpu"), "snapshot-device", f"must be auto or cpu, got {self.snapshot_device!r}")
         _require(self.drill_at is None or self.drill_at >= 1, "drill-at", f"must be >= 1, got {self.drill_at}")
         _require(self.router_entropy_bins >= 8, "router-entropy-bins", f"must be >= 8, got {self.router_entropy_bins}")
+        self.router_min_effective_experts = _effective_experts_setting(self.router_min_effective_experts)
         _require(self.detector_warmup >= 2, "detector-warmup", f"must be >= 2, got {self.detector_warmup}")
         _require(self.detector_window >= 2, "detector-window", f"must be >= 2, got {self.detector_window}")
         _require(self.detector_num_mads > 0, "detector-num-mads", f"must be > 0, got {self.detector_num_mads}")
         _require(self.detector_min_rel_change >= 0, "detector-min-rel-change", f"must be >= 0, got {self.detector_min_rel_change}")
         _require(self.detector_patience >= 1, "detector-patience", f"must be >= 1, got {self.detector_patience}")
+
+    def router_entropy_floor(self, num_experts: int, topk: int) -> Optional[float]:
+        """Floor of one router's mean routing entropy in nats, or None when there is none.
+
+        ``ValueError`` naming the flag when a fixed floor exceeds ``num_experts`` (it would
+        alarm on a uniform router).
+        """
+        setting = self.router_min_effective_experts
+        experts = float(topk) if setting == "topk" else float(setting)
+        _require(
+            experts <= num_experts,
+            "router-min-effective-experts",
+            f"is {experts:g}, more than the {num_experts} experts of the router (the most exp(entropy) can be)",
+        )
+        return math.log(experts) if experts > 1.0 else None
 
     def is_check_step(self, iteration: int) -> bool:
         """True when ``iteration`` (1-based, after the optimizer step) runs a check."""
@@ -116,6 +141,26 @@ class MechmonConfig:
 
     def is_drill_step(self, iteration: int) -> bool:
         return self.enabled and self.drill_at is not None and iteration == self.drill_at
+
+
+def _effective_experts_setting(value: Union[float, str]) -> Union[float, str]:
+    """``"topk"``, or a number that is 0 (off) or >= 1, from the flag / JSON value."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "topk":
+            return "topk"
+        if text == "off":
+            return 0.0
+        try:
+            value = float(text)
+        except ValueError:
+            _require(False, "router-min-effective-experts", f"must be topk, off, 0 or a number >= 1, got {value!r}")
+    _require(
+        not isinstance(value, bool) and math.isfinite(value) and (value == 0 or value >= 1),
+        "router-min-effective-experts",
+        f"must be topk, off, 0 or a number >= 1 (exp(entropy) is never below 1), got {value!r}",
+    )
+    return float(value)
 
 
 def _require(ok: bool, flag: str, message: str) -> None:

@@ -22,6 +22,10 @@ Router (family ``router``), per MoE layer:
     mechmon/router/token_entropy/layer_L       mean full-softmax routing entropy per token (nats)
     mechmon/router/token_entropy_norm/layer_L  the same divided by log E
     mechmon/router/token_entropy_p05/layer_L   5 % quantile over tokens (p01, p10 likewise)
+    mechmon/router/effective_experts/layer_L   exp(token_entropy): effective experts per token
+    mechmon/router/token_entropy_floor/layer_L the routing-entropy alarm's absolute floor (nats),
+                                               log(--mechmon-router-min-effective-experts);
+                                               absent when the floor is off
     mechmon/router/weight_similarity/layer_L   mean off-diagonal cosine similarity S of router rows
     mechmon/router/eps/layer_L                 conditioning ratio max_i ||w_i - w_bar|| / ||w_bar||
     mechmon/router/max_vio/layer_L             max expert load / mean load - 1 (top-k counts)

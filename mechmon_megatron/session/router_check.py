@@ -1,6 +1,17 @@
-"""One MoE router's check: full-softmax routing entropy, load, and router-weight geometry."""
+"""One MoE router's check: full-softmax routing entropy, load, and router-weight geometry.
+
+The routing-entropy stream carries an absolute floor besides its baseline-relative band:
+``log(m)`` nats, where ``m`` is the minimum effective number of experts per token
+(``--mechmon-router-min-effective-experts``, default the router's top-k). exp(mean entropy) below
+top-k means tokens put their routing probability on fewer experts than each is dispatched to,
+the signature of the stable-winner loop (PAPER.md 1b). The floor needs no baseline, so it also
+catches a collapse that starts with training, inside the detector's warm-up.
+"""
 
 from __future__ import annotations
+
+import math
+from typing import Optional
 
 import torch
 
@@ -38,8 +49,13 @@ def local_router_vector(site: RouterSite, num_bins: int) -> torch.Tensor:
     return total.to_flat_tensor().cpu()
 
 
-def router_output(site: RouterSite, flat: torch.Tensor, num_bins: int) -> CheckOutput:
-    """Scalars and detector streams of one router from its reduced summary (reporting rank)."""
+def router_output(
+    site: RouterSite, flat: torch.Tensor, num_bins: int, entropy_floor: Optional[float] = None
+) -> CheckOutput:
+    """Scalars and detector streams of one router from its reduced summary (reporting rank).
+
+    ``entropy_floor``: absolute floor of the mean routing entropy in nats (None: none).
+    """
     if not site.reports:
         return CheckOutput({}, [], [])
     total = RouterEntropySummary.from_flat_tensor(flat.cpu(), site.num_experts, num_bins)
@@ -71,5 +87,17 @@ def router_output(site: RouterSite, flat: torch.Tensor, num_bins: int) -> CheckO
         ):
             scalars[names.router(metric, layer)] = ("value", float(stats[key]), 1.0)
         entropy = float(stats["token_entropy_mean"])
-        streams.append(Stream(names.router("token_entropy", layer), ROUTER_ENTROPY, entropy, layer))
+        scalars[names.router("effective_experts", layer)] = ("value", math.exp(entropy), 1.0)
+        limit_reason = ""
+        if entropy_floor is not None:
+            scalars[names.router("token_entropy_floor", layer)] = ("value", entropy_floor, 1.0)
+            limit_reason = (
+                f"routing spreads over exp(H) = {math.exp(entropy):.3g} effective experts per token, below "
+                f"the floor {math.exp(entropy_floor):.3g} (top-k {site.topk} of {site.num_experts}): tokens "
+                "concentrate on fewer experts than they are dispatched to (stable-winner collapse)"
+            )
+        streams.append(
+            Stream(names.router("token_entropy", layer), ROUTER_ENTROPY, entropy, layer,
+                   limit=entropy_floor, limit_reason=limit_reason)
+        )
     return CheckOutput(scalars, streams, nonfinite)

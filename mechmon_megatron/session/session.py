@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -92,6 +93,8 @@ class MonitoringSession:
             return
         self.attention_sites = list(attention_sites) if "attn" in config.monitors else []
         self.router_sites = list(router_sites) if "router" in config.monitors else []
+        # Validated here, at start-up: a floor above E names its flag before training begins.
+        self._router_floors = [config.router_entropy_floor(s.num_experts, s.topk) for s in self.router_sites]
         self.comm = comm or LocalCommunicator()
         self.writer = writer or WriterGroup()
         self.detectors = DetectorBank(detector_configs(config))
@@ -242,12 +245,12 @@ class MonitoringSession:
                 outputs.append(self._guard(check_heads, site.layer_number, prev_heads, heads, cfg.alpha, cfg.qk_method, cfg.per_head_scalars))
             if full is not None and prev_full is not None:
                 outputs.append(self._guard(check_full, site.layer_number, prev_full, full, cfg.alpha))
-        for site in self.router_sites:
+        for site, floor in zip(self.router_sites, self._router_floors):
             local = self._guard(local_router_vector, site, cfg.router_entropy_bins)
             site.captured_logits.clear()
             # The all-reduce runs on every rank even if this rank's summary failed.
             flat = site.reduce_sum(local if local is not None else empty_vector(site, cfg.router_entropy_bins))
-            outputs.append(self._guard(router_output, site, flat, cfg.router_entropy_bins))
+            outputs.append(self._guard(router_output, site, flat, cfg.router_entropy_bins, floor))
         outputs = [o for o in outputs if o is not None]
 
         payload = {
@@ -288,7 +291,9 @@ class MonitoringSession:
             for message in payload["nonfinite"]:
                 alerts.append(Alert(iteration, "nonfinite", "weights", _layer_of(message), None, float("nan"), None, None, iteration, message))
             for stream in payload["streams"]:
-                event = self.detectors.update(stream.name, iteration, stream.value, family=stream.family)
+                event = self.detectors.update(
+                    stream.name, iteration, stream.value, family=stream.family, limit=stream.limit
+                )
                 if event.status == "warning":
                     warnings += 1
                 elif event.fired:  # the first check of an alarm episode; re-arm gates the next
@@ -300,9 +305,10 @@ class MonitoringSession:
                             stream.layer_number,
                             stream.head,
                             stream.value,
-                            event.baseline,
-                            event.threshold,
+                            _finite_or_none(event.baseline),
+                            _finite_or_none(event.threshold),
                             event.first_warning_step,
+                            stream.limit_reason if event.beyond_limit else
                             "spectral collapse / routing collapse relative to this run's own baseline",
                         )
                     )
@@ -331,6 +337,10 @@ class MonitoringSession:
 
 def _drill_alert(iteration: int) -> Alert:
     return Alert(iteration, "drill", "drill", None, None, 0.0, None, None, iteration, "rehearsal requested by --mechmon-drill-at")
+
+
+def _finite_or_none(x: float) -> Optional[float]:
+    return x if math.isfinite(x) else None
 
 
 def _layer_of(message: str) -> Optional[int]:

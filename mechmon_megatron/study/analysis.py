@@ -14,7 +14,8 @@ Mechmon alarms are REPLAYED here with the same detector code the session runs on
 ``attn_delta2``    ``mechmon/attn/delta2_entropy/layer_L/head_H`` (needs
                    ``--mechmon-per-head-scalars``)
 ``attn_dw``        ``mechmon/attn/dw_entropy/layer_L`` and ``.../dwk_entropy/layer_L``
-``router_entropy`` ``mechmon/router/token_entropy/layer_L``
+``router_entropy`` ``mechmon/router/token_entropy/layer_L`` (with the floor recorded in
+                   ``mechmon/router/token_entropy_floor/layer_L``)
 ``router_weights`` ``mechmon/router/weight_similarity/layer_L``
 =================  ===================================================================
 
@@ -97,6 +98,16 @@ def stream_family(name: str) -> Optional[str]:
         if pattern.match(name):
             return family
     return None
+
+
+def recorded_limit(name: str, scalars: Mapping[str, float]) -> Optional[float]:
+    """The absolute limit the session applied to a stream at a check, from the same check's
+    scalars: ``mechmon/router/token_entropy_floor/layer_L`` for the routing entropy of layer L
+    (absent when the floor was off, or in runs recorded before the floor existed)."""
+    prefix = f"{names.PREFIX}/router/token_entropy/"
+    if not name.startswith(prefix):
+        return None
+    return scalars.get(f"{names.PREFIX}/router/token_entropy_floor/{name[len(prefix):]}")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -268,7 +279,7 @@ def replay_mechmon(data: RunData, setting: DetectorSetting = DEFAULT_DETECTOR) -
         for name in sorted(scalars):
             family = stream_family(name)
             if family is not None:
-                bank.update(name, step, scalars[name], family=family)
+                bank.update(name, step, scalars[name], family=family, limit=recorded_limit(name, scalars))
     first: dict[str, Optional[int]] = {f: None for f in MECHMON_FAMILIES}
     first_stream: dict[str, Optional[str]] = {f: None for f in MECHMON_FAMILIES}
     for stream, step in bank.first_alarm_steps().items():

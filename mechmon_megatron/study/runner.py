@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from mechmon_megatron.study.scenarios import MECHMON_DIR, METRICS_FILE, TENSORBOARD_DIR, RunSpec
 
@@ -78,12 +78,12 @@ def _tail(path: str, lines: int = 15) -> str:
         return ""
 
 
-def _progress_bar(total: int, disable: bool):
+def _progress_bar(total: int, disable: bool, desc: str):
     try:
         from tqdm import tqdm
     except ImportError as exc:  # tqdm is in the `test` extra
         raise ImportError("the fault study's progress bar needs tqdm: pip install 'mechmon-megatron[test]'") from exc
-    return tqdm(total=total, unit="step", desc="fault study", disable=disable, dynamic_ncols=True)
+    return tqdm(total=total, unit="step", desc=desc, disable=disable, dynamic_ncols=True)
 
 
 def launch_runs(
@@ -93,24 +93,31 @@ def launch_runs(
     trainer: Optional[str] = None,
     progress: bool = True,
     poll_s: float = 1.0,
+    command_for: Optional[Callable[[RunSpec, str], list[str]]] = None,
+    progress_file: str = METRICS_FILE,
+    env_overrides: Optional[dict[str, str]] = None,
+    desc: str = "fault study",
 ) -> list[RunResult]:
     """Run every spec (at most ``jobs`` at a time), fresh: an existing run dir is emptied.
 
     ``trainer`` is the training script (default: the example trainer of this repository).
-    Returns one :class:`RunResult` per spec, in the order of ``specs``.
+    ``command_for(spec, run_dir)`` builds another host's command (default: :func:`build_command`
+    for the example trainer); ``progress_file`` (relative to the run dir) gains one line per
+    training step and drives the progress bar. Returns one :class:`RunResult` per spec, in the
+    order of ``specs``.
     """
     if jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}.")
     root = repo_root()
     trainer = trainer or os.path.join(root, DEFAULT_TRAINER)
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env_overrides or {}))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)  # each run is its own single-process world
     pending = list(enumerate(specs))
     active: dict[int, tuple[subprocess.Popen, float, str, object]] = {}
     results: dict[int, RunResult] = {}
-    bar = _progress_bar(sum(s.train_iters for s in specs), disable=not progress)
+    bar = _progress_bar(sum(s.train_iters for s in specs), disable=not progress, desc=desc)
     done_steps: dict[int, int] = {}
     previous_handler = _exit_on_sigterm()
     try:
@@ -119,7 +126,7 @@ def launch_runs(
                 index, spec = pending.pop(0)
                 directory = run_dir(out_dir, spec)
                 _fresh_dir(directory)
-                cmd = build_command(spec, directory, trainer)
+                cmd = command_for(spec, directory) if command_for else build_command(spec, directory, trainer)
                 with open(os.path.join(directory, "command.txt"), "w", encoding="utf-8") as f:
                     f.write(shlex.join(cmd) + "\n")
                 log = open(os.path.join(directory, "stdout.log"), "w", encoding="utf-8")
@@ -129,7 +136,7 @@ def launch_runs(
             time.sleep(poll_s)
             for index in list(active):
                 proc, start, directory, log = active[index]
-                steps = min(_count_lines(os.path.join(directory, METRICS_FILE)), specs[index].train_iters)
+                steps = min(_count_lines(os.path.join(directory, progress_file)), specs[index].train_iters)
                 if proc.poll() is not None:
                     log.close()
                     steps = specs[index].train_iters  # finished (or stopped early): count it all

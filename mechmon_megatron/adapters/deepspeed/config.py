@@ -102,6 +102,10 @@ def _typed(key: str, value: Any) -> Any:
         if not isinstance(value, str):
             raise ValueError(f"{where} must be a string, got {value!r}")
         return value
+    if key == "router_min_effective_experts":
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ValueError(f"{where} must be \"topk\", \"off\" or a number, got {value!r}")
+        return value
     if key == "monitors":
         if isinstance(value, str):
             value = [m.strip() for m in value.split(",") if m.strip()]
