@@ -26,6 +26,9 @@ def test_full_section_round_trip(tmp_path):
     assert (cfg.enabled, cfg.interval, cfg.delta, cfg.monitors, cfg.alpha) == (True, 10, 5, ("router",), 1.0)
     assert (cfg.action, cfg.exit_code, cfg.drill_at, cfg.detector_num_mads) == ("checkpoint-and-abort", 43, 7, 4.0)
     assert cfg.extra == {"checkpoint_dir": "ckpt"}
+    assert parse_section({"router_min_effective_experts": 1.5}).router_min_effective_experts == 1.5
+    assert parse_section({"router_min_effective_experts": "off"}).router_min_effective_experts == 0.0
+    assert parse_section({}).router_min_effective_experts == "topk"
 
 
 def test_every_field_is_a_key():
@@ -49,6 +52,8 @@ def test_every_field_is_a_key():
         ({"enabled": 1}, r"^ds_config\.mechmon\.enabled must be true or false"),
         ({"intervall": 5}, r"^ds_config\.mechmon: unknown key\(s\) \['intervall'\]"),
         ({"checkpoint_dir": 3}, r"^ds_config\.mechmon\.checkpoint_dir must be a string"),
+        ({"router_min_effective_experts": 0.5}, r"^ds_config\.mechmon\.router_min_effective_experts must be topk, off"),
+        ({"router_min_effective_experts": "most"}, r"^ds_config\.mechmon\.router_min_effective_experts must be topk"),
         ({"attention_mapping": {}}, r"^ds_config\.mechmon\.attention_mapping must be a list"),
         ({"attention_mapping": [{"match": "a", "layout": "weird"}]}, r"attention_mapping\[0\]\.layout must be one of"),
         ({"attention_mapping": [{"match": "a", "layout": "separate", "q": "q.weight", "num_heads": 2}]},

@@ -270,3 +270,53 @@ def test_bank_state_round_trip():
         DetectorBank({"attn_delta2": DetectorConfig()}).load_state_dict(saved)
     with pytest.raises(ValueError, match="bank state version"):
         DetectorBank().load_state_dict({**saved, "version": 0})
+
+
+# -- absolute limit ------------------------------------------------------------------------------
+
+
+def test_limit_alarms_inside_warmup_and_keeps_values_out_of_the_baseline():
+    det = BaselineRelativeDetector(DetectorConfig(warmup=5, patience=3))
+    events = [det.update(10 * i, v, limit=0.7) for i, v in enumerate([1.0, 0.5, 0.4, 0.3])]
+    assert [e.status for e in events] == ["warmup", "warning", "warning", "alarm"]
+    assert events[-1].fired and events[-1].beyond_limit and events[-1].first_warning_step == 10
+    assert events[-1].threshold == 0.7 and events[-1].limit == 0.7
+    assert det.baseline() == (1.0, 0.0)  # only the in-limit value formed the baseline
+    assert det.first_alarm_step == 30
+
+
+def test_limit_run_is_consecutive_in_warmup():
+    det = BaselineRelativeDetector(DetectorConfig(warmup=10, patience=2))
+    statuses = [det.update(i, v, limit=0.7).status for i, v in enumerate([0.5, 1.0, 0.5, 1.0, 0.5, 0.5])]
+    assert statuses == ["warning", "warmup", "warning", "warmup", "warning", "alarm"]
+
+
+def test_limit_binds_after_warmup_when_stricter_than_the_band():
+    det = BaselineRelativeDetector(DetectorConfig(warmup=3, patience=1, min_rel_change=0.5))
+    for i in range(3):
+        det.update(i, 1.0, limit=0.9)
+    inside_band_below_limit = det.update(3, 0.85, limit=0.9)  # band edge is 0.5
+    assert inside_band_below_limit.fired and inside_band_below_limit.beyond_limit
+    assert inside_band_below_limit.threshold == 0.9
+    det2 = BaselineRelativeDetector(DetectorConfig(warmup=3, patience=1, min_rel_change=0.05))
+    for i in range(3):
+        det2.update(i, 1.0, limit=0.5)
+    relative = det2.update(3, 0.9, limit=0.5)  # band edge 0.95 is the stricter one
+    assert relative.fired and not relative.beyond_limit and relative.threshold == pytest.approx(0.95)
+
+
+def test_limit_for_rising_streams_and_no_limit_is_unchanged():
+    det = BaselineRelativeDetector(DetectorConfig(direction="rise", warmup=5, patience=1))
+    assert det.update(0, 0.5, limit=0.9).status == "warmup"
+    assert det.update(1, 0.95, limit=0.9).fired
+    plain, limited = (BaselineRelativeDetector(DetectorConfig(warmup=5)) for _ in range(2))
+    values = _entropy_stream(3, n=120)
+    for i, v in enumerate(values):
+        a, b = plain.update(i, v), limited.update(i, v, limit=-1e9)  # a limit never reached
+        assert (a.status, a.fired, a.threshold) == (b.status, b.fired, b.threshold)
+
+
+def test_bank_passes_the_limit():
+    bank = DetectorBank({"router_entropy": DetectorConfig(warmup=10, patience=1)})
+    event = bank.update("router_entropy/layer_1", 20, 0.1, limit=0.69)
+    assert event.fired and event.beyond_limit and bank.first_alarm_steps() == {"router_entropy/layer_1": 20}

@@ -29,6 +29,14 @@ def test_flags_map_onto_config():
     assert (cfg.action, cfg.exit_code, cfg.drill_at, cfg.alpha, cfg.snapshot_device) == ("checkpoint-and-abort", 77, 20, 1.0, "cpu")
 
 
+@pytest.mark.parametrize("text, value", [("topk", "topk"), ("off", 0.0), ("0", 0.0), ("1.5", 1.5), ("3", 3.0)])
+def test_router_entropy_floor_flag(text, value):
+    _, args = parse(["--mechmon", "--mechmon-router-min-effective-experts", text])
+    assert config_from_args(args).router_min_effective_experts == value
+    _, default = parse(["--mechmon"])
+    assert config_from_args(default).router_min_effective_experts == "topk"
+
+
 def test_chaining_keeps_other_providers_flags():
     def other(parser):
         parser.add_argument("--my-flag", type=int, default=3)
@@ -46,6 +54,8 @@ def test_chaining_keeps_other_providers_flags():
         (["--mechmon-exit-code", "16"], "--mechmon-exit-code"),
         (["--mechmon-action", "abort"], "--mechmon-action"),
         (["--mechmon-monitors", "attn,moe"], "--mechmon-monitors"),
+        (["--mechmon-router-min-effective-experts", "0.5"], "--mechmon-router-min-effective-experts"),
+        (["--mechmon-router-min-effective-experts", "half"], "--mechmon-router-min-effective-experts"),
     ],
 )
 def test_bad_flag_fails_at_startup_naming_it(argv, flag, capsys):

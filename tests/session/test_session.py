@@ -204,8 +204,78 @@ def test_router_site_statistics(tmp_path):
         ({"monitors": ("attn", "mlp")}, "--mechmon-monitors"),
         ({"snapshot_device": "gpu"}, "--mechmon-snapshot-device"),
         ({"alpha": 0.0}, "--mechmon-alpha"),
+        ({"router_min_effective_experts": 0.5}, "--mechmon-router-min-effective-experts"),
+        ({"router_min_effective_experts": "many"}, "--mechmon-router-min-effective-experts"),
+        ({"router_min_effective_experts": math.inf}, "--mechmon-router-min-effective-experts"),
     ],
 )
 def test_bad_config_names_the_flag(overrides, flag):
     with pytest.raises(ValueError, match=flag):
         MechmonConfig(enabled=True, **overrides)
+
+
+def _router_session(tmp_path, logits, topk=2, **overrides):
+    weight = torch.randn(EXPERTS, HIDDEN, generator=torch.Generator().manual_seed(0))
+    site = RouterSite(1, EXPERTS, topk, weight=lambda: weight, reduce_sum=lambda v: v, reports=True)
+    session = make_session(tmp_path, [], routers=[site], **overrides)
+    decisions = []
+    for it in range(1, 21):
+        if session.on_step_start(it):
+            site.captured_logits.append(logits)
+        decisions.append(session.on_step_end(it))
+    session.close()
+    return decisions, read_jsonl(tmp_path / "scalars.jsonl")
+
+
+def _peaked_logits(margin: float) -> torch.Tensor:
+    """Every token prefers expert 0 by ``margin`` nats over the others."""
+    logits = torch.zeros(32, EXPERTS)
+    logits[:, 0] = margin
+    return logits
+
+
+def test_routing_entropy_floor_alarms_inside_the_warmup(tmp_path):
+    # Entropy of (e^8, 1, 1, 1)/Z is ~0.01 nats: 1.0 effective expert, below top-k = 2.
+    decisions, rows = _router_session(tmp_path, _peaked_logits(8.0))
+    alarms = [d for d in decisions if d.alarm]
+    # warmup 5 checks, patience 2: the floor fires at the second check, where the baseline
+    # rule could not judge anything yet.
+    assert [d.iteration for d in alarms] == [10]
+    alert = alarms[0].alerts[0]
+    assert (alert.family, alert.layer, alert.baseline) == ("router_entropy", 1, None)
+    assert alert.threshold == pytest.approx(math.log(2)) and "effective experts" in alert.reason
+    scalars = rows[-1]["scalars"]
+    assert scalars[names.router("token_entropy_floor", 1)] == pytest.approx(math.log(2))
+    assert scalars[names.router("effective_experts", 1)] == pytest.approx(
+        math.exp(scalars[names.router("token_entropy", 1)]), rel=1e-12
+    )
+    assert "no baseline yet" in alert.describe()
+
+
+@pytest.mark.parametrize("setting", ["off", 0])
+def test_routing_entropy_floor_can_be_turned_off(tmp_path, setting):
+    decisions, rows = _router_session(tmp_path, _peaked_logits(8.0), router_min_effective_experts=setting)
+    assert not any(d.alarm for d in decisions)
+    assert names.router("token_entropy_floor", 1) not in rows[-1]["scalars"]
+
+
+def test_routing_entropy_above_the_floor_is_quiet(tmp_path):
+    # margin 1: entropy ~1.27 nats = 3.6 effective experts of 4, above 2.
+    decisions, _ = _router_session(tmp_path, _peaked_logits(1.0))
+    assert not any(d.alarm for d in decisions)
+    # A user floor above that level alarms on the same router.
+    decisions, _ = _router_session(tmp_path, _peaked_logits(1.0), router_min_effective_experts=3.9)
+    assert [d.iteration for d in decisions if d.alarm] == [10]
+
+
+def test_top1_router_has_no_floor_under_topk():
+    cfg = MechmonConfig(enabled=True)
+    assert cfg.router_entropy_floor(num_experts=8, topk=1) is None
+    assert cfg.router_entropy_floor(num_experts=8, topk=2) == pytest.approx(math.log(2))
+    assert MechmonConfig(enabled=True, router_min_effective_experts=1.5).router_entropy_floor(8, 1) == pytest.approx(math.log(1.5))
+
+
+def test_floor_above_the_expert_count_fails_at_startup_naming_the_flag(tmp_path):
+    site = RouterSite(1, EXPERTS, 2, weight=lambda: torch.eye(EXPERTS, HIDDEN), reduce_sum=lambda v: v, reports=True)
+    with pytest.raises(ValueError, match="--mechmon-router-min-effective-experts is 6, more than the 4 experts"):
+        make_session(tmp_path, [], routers=[site], router_min_effective_experts=6)

@@ -175,3 +175,39 @@ def test_router_onset_of_a_combined_fault(tmp_path):
     combined = A.analyze_run(data, fault_onset=500, router_fault_onset=1)
     assert combined["false_alarm"]["router_entropy"] is False
     assert combined["router_fault_onset"] == 1
+
+
+def test_replay_applies_the_recorded_routing_entropy_floor(tmp_path):
+    """A real session collapses routing inside its warm-up; the replay of its JSONL, which
+    carries the floor as a scalar, raises the same alarm at the same check, and the
+    baseline-only replay (floor scalars removed) does not."""
+    import torch
+
+    from mechmon_megatron.session.config import MechmonConfig
+    from mechmon_megatron.session.host import RouterSite
+    from mechmon_megatron.session.session import MonitoringSession
+    from mechmon_megatron.session.writers import JsonlScalarWriter
+
+    experts = 8
+    site = RouterSite(1, experts, 2, weight=lambda: torch.eye(experts, 16), reduce_sum=lambda v: v, reports=True)
+    setting = A.DEFAULT_DETECTOR
+    cfg = MechmonConfig(enabled=True, interval=10, monitors=("router",), detector_warmup=setting.warmup,
+                        detector_window=setting.window, detector_num_mads=setting.num_mads,
+                        detector_min_rel_change=setting.min_rel_change, detector_patience=setting.patience)
+    path = tmp_path / "mechmon_scalars.jsonl"
+    session = MonitoringSession(cfg, [], [site], writer=JsonlScalarWriter(str(path)))
+    online = []
+    for it in range(1, 101):
+        if session.on_step_start(it):
+            margin = 0.1 * it  # the winner's margin grows every check (stable-winner loop)
+            logits = torch.zeros(64, experts)
+            logits[:, 3] = margin
+            site.captured_logits.append(logits)
+        if session.on_step_end(it).alarm:
+            online.append(it)
+    session.close()
+    data = A.RunData.from_files(str(tmp_path / "none.jsonl"), str(path))
+    replay = A.replay_mechmon(data, setting)["first_alarm"]["router_entropy"]
+    assert online and replay == online[0] < 10 * setting.warmup
+    stripped = A.RunData(checks=[(s, {k: v for k, v in sc.items() if "token_entropy_floor" not in k}) for s, sc in data.checks])
+    assert A.replay_mechmon(stripped, setting)["first_alarm"]["router_entropy"] is None
