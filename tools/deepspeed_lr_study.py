@@ -11,8 +11,9 @@ LR is the healthy control; every other LR counts as a fault from step 1.
 
 Each run writes ``OUT/runs/lr<LR>-seed<S>/`` (``monitor/`` = DeepSpeed's CSV monitor,
 ``mechmon/`` = ``mechmon_scalars.jsonl`` and TensorBoard events, ``stdout.log``,
-``command.txt``); the study writes ``OUT/results.json`` and prints a markdown table, and with
-``--json`` the results as JSON on stdout.
+``command.txt``); the study writes ``OUT/results.json`` and ``OUT/effective_experts.png``
+(effective experts per token against the step, per seed and LR) and prints a markdown table,
+or with ``--json`` the results as JSON on stdout.
 
     python tools/deepspeed_lr_study.py --lrs 2e-3,8e-3,3e-2,1e-1 --seeds 2,3 --jobs 2 \\
         --out runs/ds_lr_study
@@ -118,12 +119,27 @@ def without_floor(data: RunData) -> RunData:
     return RunData(data.steps, data.loss, data.grad_norm, data.max_attn_logit, checks)
 
 
+def load_run(out: str, spec: RunSpec) -> RunData:
+    directory = os.path.join(out, "runs", spec.run_id)
+    return RunData.from_rows(read_loss_csv(os.path.join(directory, LOSS_CSV)),
+                             read_jsonl(os.path.join(directory, MECHMON_JSONL)))
+
+
+def plot(out: str, specs: list[RunSpec], results: list[dict[str, Any]], topk: int) -> str:
+    """``OUT/effective_experts.png``: one panel per seed, one line per LR."""
+    from mechmon_megatron.study.plots import plot_effective_experts
+
+    panels: dict[str, list] = {}
+    for spec, r in zip(specs, results):
+        run = {"router_entropy_alarm": r["first_alarm"]["router_entropy"], "expert_collapse_step": r["expert_collapse_step"]}
+        panels.setdefault(f"seed {spec.seed}", []).append((f"LR {r['lr']:g}", load_run(out, spec), run))
+    return plot_effective_experts(panels, float(topk), os.path.join(out, "effective_experts.png"))
+
+
 def analyze(out: str, specs: list[RunSpec]) -> list[dict[str, Any]]:
     results = []
     for spec in specs:
-        directory = os.path.join(out, "runs", spec.run_id)
-        data = RunData.from_rows(read_loss_csv(os.path.join(directory, LOSS_CSV)),
-                                 read_jsonl(os.path.join(directory, MECHMON_JSONL)))
+        data = load_run(out, spec)
         run = analyze_run(data, fault_onset=spec.fault_onset)
         tail = data.loss[-50:]
         results.append({
@@ -177,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--extra", default="", help="Extra example flags for every run, e.g. \"--aux-loss-coeff 0\".")
     p.add_argument("--json", action="store_true", help="Print the results as JSON instead of the table.")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-plot", action="store_true", help="Skip OUT/effective_experts.png.")
+    p.add_argument("--topk", type=int, default=2, help="The example's --topk (only draws the floor line in the plot).")
     return p
 
 
@@ -206,6 +224,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w", encoding="utf-8") as f:
         json.dump({"args": vars(args), "training_wall_s": wall, "runs": results}, f, indent=2)
+    if not args.no_plot:
+        print(f"plot: {plot(args.out, specs, results, args.topk)}", file=sys.stderr)
     print(json.dumps(results, indent=2) if args.json else markdown(results))
     return 0
 

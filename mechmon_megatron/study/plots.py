@@ -120,3 +120,42 @@ def plot_run(data: RunData, run: dict[str, Any], path: str) -> str:
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def plot_effective_experts(
+    panels: dict[str, list[tuple[str, RunData, dict[str, Any]]]], floor: Optional[float], path: str
+) -> str:
+    """Routing collapse at a glance: one panel per key of ``panels`` (e.g. a seed), one line per
+    run (label, data, analysed run) = the lowest MoE layer's effective experts per token,
+    exp(mean routing entropy), per check. Dashed line: the floor (effective experts); ``x``:
+    the run's first routing-entropy alarm; ``o``: its expert collapse. Returns ``path``."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), sharey=True, squeeze=False)
+    for ax, (title, runs) in zip(axes[0], panels.items()):
+        for label, data, run in runs:
+            lowest: dict[int, float] = {}
+            for series_steps, values in _layer_series(data, "router/effective_experts").values():
+                for s, v in zip(series_steps, values):
+                    if math.isfinite(v):
+                        lowest[s] = min(v, lowest.get(s, math.inf))
+            steps = sorted(lowest)
+            (line,) = ax.plot(steps, [lowest[s] for s in steps], linewidth=1.2, label=label)
+            for key, marker in (("router_entropy_alarm", "x"), ("expert_collapse_step", "o")):
+                step = run.get(key)
+                if step in lowest:
+                    ax.plot([step], [lowest[step]], marker=marker, color=line.get_color(), markersize=8,
+                            markerfacecolor="none" if marker == "o" else None)
+        if floor is not None:
+            ax.axhline(floor, color="red", linestyle="--", linewidth=1, label=f"floor ({floor:g})")
+        ax.set_yscale("log")
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("step")
+        ax.grid(True, alpha=0.3)
+        _legend(ax)
+    axes[0][0].set_ylabel("effective experts / token (lowest layer)")
+    fig.suptitle("x = routing-entropy alarm, o = expert collapse (MaxVio >= 2 at 5 checks)", fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
