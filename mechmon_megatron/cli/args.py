@@ -38,6 +38,12 @@ def add_mechmon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--mechmon-strict", action="store_true", help="Let monitor exceptions stop training (default: log and count).")
     g.add_argument("--mechmon-per-head-scalars", action="store_true", help="Also write one Delta2 scalar per head.")
     g.add_argument(
+        "--mechmon-router-entropy-bins",
+        type=int,
+        default=_DEFAULTS.router_entropy_bins,
+        help="Histogram bins for the routing-entropy quantiles (error <= log E / bins).",
+    )
+    g.add_argument(
         "--mechmon-router-min-effective-experts",
         type=str,
         default=str(_DEFAULTS.router_min_effective_experts),
@@ -74,6 +80,7 @@ def config_from_args(args: argparse.Namespace) -> MechmonConfig:
         drill_at=args.mechmon_drill_at,
         strict=bool(args.mechmon_strict),
         per_head_scalars=bool(args.mechmon_per_head_scalars),
+        router_entropy_bins=args.mechmon_router_entropy_bins,
         router_min_effective_experts=args.mechmon_router_min_effective_experts,
         detector_warmup=args.mechmon_detector_warmup,
         detector_window=args.mechmon_detector_window,

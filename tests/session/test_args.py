@@ -37,6 +37,19 @@ def test_router_entropy_floor_flag(text, value):
     assert config_from_args(default).router_min_effective_experts == "topk"
 
 
+def test_every_config_field_has_a_flag():
+    import dataclasses
+
+    from mechmon_megatron.session.config import MechmonConfig
+
+    parser, _ = parse([])
+    flags = {opt for action in parser._actions for opt in action.option_strings}
+    renamed = {"enabled": "--mechmon", "full_matrix_dw": "--mechmon-no-full-matrix-dw"}
+    for f in dataclasses.fields(MechmonConfig):
+        if f.name != "extra":
+            assert renamed.get(f.name, "--mechmon-" + f.name.replace("_", "-")) in flags, f.name
+
+
 def test_chaining_keeps_other_providers_flags():
     def other(parser):
         parser.add_argument("--my-flag", type=int, default=3)
