@@ -16,9 +16,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repository root
 
-from mechmon_megatron.study.report import markdown_report  # noqa: E402
+from mechmon_megatron.study.report import markdown_report, markdown_sensitivity  # noqa: E402
 from mechmon_megatron.study.scenarios import PRESETS, SCENARIO_NAMES, get_preset, get_scenario, with_overrides  # noqa: E402
-from mechmon_megatron.study.study import StudyOptions, analyze_study, run_study  # noqa: E402
+from mechmon_megatron.study.study import StudyOptions, analyze_study, run_study, sensitivity  # noqa: E402
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -45,12 +45,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plots", action="store_true", help="Skip the PNG plots.")
     p.add_argument("--no-progress", action="store_true", help="No progress bar.")
     p.add_argument("--analyze-only", action="store_true", help="Re-analyse the runs already in --out.")
+    p.add_argument("--sensitivity", action="store_true",
+                   help="With --analyze-only: print what every candidate detector setting would have reported "
+                        "on the recorded runs (post hoc; writes nothing).")
     return p
 
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    if args.sensitivity:
+        if not args.analyze_only:
+            raise SystemExit("--sensitivity needs --analyze-only (it replays recorded runs)")
+        print(markdown_sensitivity(sensitivity(args.out)))
+        return 0
     if args.analyze_only:
         results = analyze_study(args.out, plots_enabled=not args.no_plots)
     else:

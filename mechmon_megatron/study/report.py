@@ -300,3 +300,32 @@ def _clean_json(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [_clean_json(v) for v in obj]
     return obj
+
+
+def markdown_sensitivity(rows: list[dict[str, Any]]) -> str:
+    """Table of :func:`~mechmon_megatron.study.study.sensitivity`: per setting, clean runs with a
+    mechmon alarm, the fa runs' Δ2 alarm (lead share), fa runs with an attributable router
+    alarm, the MoE runs' routing-entropy alarms, and MoE runs with an attention alarm."""
+    lines = [
+        "| setting (k MADs, rel floor, patience) | clean runs with a mechmon alarm | fa: Δ2 alarm (lead share) | "
+        "fa: router alarm before div | moe-lr, moe-gbs (by seed): routing-entropy alarm | moe-*: attention alarm |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        st, runs = row["setting"], row["runs"]
+        by = {sc: sorted((r for r in runs if r["scenario"] == sc), key=lambda r: r["seed"])
+              for sc in ("clean", "fa", "moe-lr", "moe-gbs")}
+        clean = sum(any(r["first_alarm"][f] is not None for f in MECHMON_FAMILIES) for r in by["clean"])
+        fa = ", ".join(f"{_fmt_step(r['first_alarm']['attn_delta2'])} "
+                       f"({_share(r['lead_to_divergence']['attn_delta2']['share'])})" for r in by["fa"])
+        fa_router = sum(attributable_alarm(r, ROUTER_FAMILIES) for r in by["fa"])
+        moe = by["moe-lr"] + by["moe-gbs"]
+        entropy = ", ".join(_fmt_step(r["first_alarm"]["router_entropy"]) for r in moe)
+        attention = sum(attributable_alarm(r, ATTN_FAMILIES) for r in moe)
+        lines.append(f"| {st['num_mads']:g}, {st['min_rel_change']:g}, {st['patience']} | {clean}/{len(by['clean'])} | "
+                     f"{fa} | {fa_router}/{len(by['fa'])} | {entropy} | {attention}/{len(moe)} |")
+    return "\n".join(lines)
+
+
+def _share(share: Optional[float]) -> str:
+    return "-" if share is None else f"{100 * share:.0f}%"

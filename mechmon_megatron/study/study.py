@@ -125,14 +125,7 @@ def analyze_study(
     setting: Optional[analysis.DetectorSetting] = None,
 ) -> dict[str, Any]:
     """Analyse the runs listed in ``OUT/plan.json``; write results.json, report.md and plots."""
-    with open(os.path.join(out_dir, PLAN_FILE), encoding="utf-8") as f:
-        plan = json.load(f)
-    data = {}
-    for entry in plan["runs"]:
-        directory = os.path.join(out_dir, "runs", entry["run_id"])
-        data[entry["run_id"]] = analysis.RunData.from_files(
-            os.path.join(directory, METRICS_FILE), os.path.join(directory, MECHMON_DIR, "mechmon_scalars.jsonl")
-        )
+    plan, data = _load_runs(out_dir)
     calibration_log = None
     calib = [e for e in plan["runs"] if e["calibration"]]
     if setting is None and calib:
@@ -192,6 +185,38 @@ def analyze_study(
         results["study"]["plots"] = [os.path.relpath(p, out_dir) for p in paths]
     report.write_results(results, out_dir)
     return results
+
+
+def _load_runs(out_dir: str) -> tuple[dict[str, Any], dict[str, analysis.RunData]]:
+    """``OUT/plan.json`` and the recorded data of every run it lists."""
+    with open(os.path.join(out_dir, PLAN_FILE), encoding="utf-8") as f:
+        plan = json.load(f)
+    data = {}
+    for entry in plan["runs"]:
+        directory = os.path.join(out_dir, "runs", entry["run_id"])
+        data[entry["run_id"]] = analysis.RunData.from_files(
+            os.path.join(directory, METRICS_FILE), os.path.join(directory, MECHMON_DIR, "mechmon_scalars.jsonl")
+        )
+    return plan, data
+
+
+def sensitivity(
+    out_dir: str, settings: tuple[analysis.DetectorSetting, ...] = analysis.CALIBRATION_CANDIDATES
+) -> list[dict[str, Any]]:
+    """Post hoc: what each detector setting would have reported on the recorded reported runs
+    (never used to choose the study's setting). One row per setting, see
+    :func:`~mechmon_megatron.study.report.markdown_sensitivity`."""
+    plan, data = _load_runs(out_dir)
+    entries = [e for e in plan["runs"] if not e["calibration"]]
+    rows = []
+    for setting in settings:
+        runs = []
+        for e in entries:
+            run = analysis.analyze_run(data[e["run_id"]], fault_onset=e["fault_onset"],
+                                       router_fault_onset=e.get("router_fault_onset"), setting=setting)
+            runs.append({"scenario": e["scenario"], "seed": e["seed"], **run})
+        rows.append({"setting": setting.to_dict(), "runs": runs})
+    return rows
 
 
 def vars_of(obj: Any) -> dict[str, Any]:

@@ -110,3 +110,21 @@ def test_plan_detector_and_an_interrupted_run(tmp_path):
     assert results["study"]["detector"] == plan["detector"]
     text = report.markdown_report(results)
     assert "fa (stopped at 800)" in text and "training wall time n/a" in text
+
+
+def test_sensitivity_replays_each_setting_on_the_reported_runs(tmp_path):
+    from mechmon_megatron.study.study import sensitivity
+
+    out = _study(tmp_path)
+    default = analyze_study(out, plots_enabled=False)
+    settings = (A.DEFAULT_DETECTOR, A.DetectorSetting(num_mads=10.0, min_rel_change=0.5, patience=6))
+    rows = sensitivity(out, settings)
+    assert [r["setting"] for r in rows] == [s.to_dict() for s in settings]
+    # The default row is the study's own analysis with the default setting, run by run.
+    got = {(r["scenario"], r["seed"]): r["first_alarm"] for r in rows[0]["runs"]}
+    assert got == {(r["scenario"], r["seed"]): r["first_alarm"] for r in default["runs"]}
+    text = report.markdown_sensitivity(rows)
+    lines = text.splitlines()
+    assert len(lines) == 2 + len(settings)
+    assert lines[2].startswith("| 6, 0.05, 3 | 0/2 | 320 (")  # fa's Δ2 alarm at 320
+    assert lines[3].startswith("| 10, 0.5, 6 | 0/2 | - (-)")  # a 50 % band never fires here
