@@ -125,15 +125,20 @@ def load_run(out: str, spec: RunSpec) -> RunData:
                              read_jsonl(os.path.join(directory, MECHMON_JSONL)))
 
 
-def plot(out: str, specs: list[RunSpec], results: list[dict[str, Any]], topk: int) -> str:
-    """``OUT/effective_experts.png``: one panel per seed, one line per LR."""
+def plot(out: str, specs: list[RunSpec], results: list[dict[str, Any]]) -> str:
+    """``OUT/effective_experts.png``: one panel per seed, one line per LR, and the floor the
+    runs recorded (``mechmon/router/token_entropy_floor/*``, as effective experts)."""
     from mechmon_megatron.study.plots import plot_effective_experts
 
     panels: dict[str, list] = {}
+    floor: Optional[float] = None
     for spec, r in zip(specs, results):
+        data = load_run(out, spec)
         run = {"router_entropy_alarm": r["first_alarm"]["router_entropy"], "expert_collapse_step": r["expert_collapse_step"]}
-        panels.setdefault(f"seed {spec.seed}", []).append((f"LR {r['lr']:g}", load_run(out, spec), run))
-    return plot_effective_experts(panels, float(topk), os.path.join(out, "effective_experts.png"))
+        panels.setdefault(f"seed {spec.seed}", []).append((f"LR {r['lr']:g}", data, run))
+        floors = [v for _, sc in data.checks for k, v in sc.items() if "/token_entropy_floor/" in k]
+        floor = math.exp(floors[0]) if floors and floor is None else floor
+    return plot_effective_experts(panels, floor, os.path.join(out, "effective_experts.png"))
 
 
 def analyze(out: str, specs: list[RunSpec]) -> list[dict[str, Any]]:
@@ -194,7 +199,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="Print the results as JSON instead of the table.")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-plot", action="store_true", help="Skip OUT/effective_experts.png.")
-    p.add_argument("--topk", type=int, default=2, help="The example's --topk (only draws the floor line in the plot).")
     return p
 
 
@@ -225,7 +229,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     with open(os.path.join(args.out, "results.json"), "w", encoding="utf-8") as f:
         json.dump({"args": vars(args), "training_wall_s": wall, "runs": results}, f, indent=2)
     if not args.no_plot:
-        print(f"plot: {plot(args.out, specs, results, args.topk)}", file=sys.stderr)
+        print(f"plot: {plot(args.out, specs, results)}", file=sys.stderr)
     print(json.dumps(results, indent=2) if args.json else markdown(results))
     return 0
 

@@ -22,7 +22,7 @@ def test_lr_study_trains_analyses_and_replays_the_online_alarms(tmp_path):
     runs = json.loads(proc.stdout)
     assert [(r["run"], r["fault"]) for r in runs] == [("lr0.002-seed4", False), ("lr0.1-seed4", True)]
     saved = json.loads((out / "results.json").read_text())["runs"]
-    assert saved == runs
+    assert saved == runs and (out / "effective_experts.png").stat().st_size > 0
     for r in runs:
         assert (r["steps_recorded"], r["num_checks"]) == (40, 8)
         assert 1.0 <= r["effective_experts_min"] <= 8.0 and 0.0 <= r["norm_entropy_min"] <= 1.0
