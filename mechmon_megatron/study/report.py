@@ -35,6 +35,7 @@ _SHORT = {
 FAULT_ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attn fault (fa)", ("fa",)),
     ("router fault (moe-lr, moe-gbs)", ("moe-lr", "moe-gbs")),
+    ("router-only LR fault (moe-router-lr)", ("moe-router-lr",)),
     ("both (combined)", ("combined",)),
     ("none (clean)", ("clean",)),
 )
@@ -125,7 +126,7 @@ def evaluate_targets(results: dict[str, Any]) -> dict[str, Any]:
         )
     out["fa"] = fa_rows
     moe_rows = []
-    for r in (x for x in runs if x["scenario"] in ("moe-lr", "moe-gbs")):
+    for r in (x for x in runs if x["scenario"] in ("moe-lr", "moe-gbs", "moe-router-lr")):
         ent, col, div = r["first_alarm"]["router_entropy"], r["expert_collapse_step"], r["divergence_step"]
         moe_rows.append(
             {

@@ -11,6 +11,10 @@ fa          amplified biased rounding of O in the FA backward's ``delta`` on all
 moe-lr      the router's "stable winner" loop driven by a high learning rate (from step 1).
 moe-gbs     the same loop driven by a small global batch (margin noise) from step 1.
 combined    ``fa`` and ``moe-lr`` together.
+moe-router-lr
+            a high learning rate on the router weights only (``--router-lr-mult``), from
+            step 1: the routing fault without touching the attention weights' updates, which
+            is what the paper's orthogonality claim is about.
 ==========  ===============================================================================
 
 The fa fault is *amplified*: the faithful variant (bias only on rows with a tied score maximum)
@@ -29,7 +33,7 @@ from typing import Literal, Optional
 
 FaultFamily = Literal["none", "attn", "router", "both"]
 
-SCENARIO_NAMES: tuple[str, ...] = ("clean", "fa", "moe-lr", "moe-gbs", "combined")
+SCENARIO_NAMES: tuple[str, ...] = ("clean", "fa", "moe-lr", "moe-gbs", "combined", "moe-router-lr")
 
 
 CALIBRATED_DETECTOR: dict[str, float] = {
@@ -75,6 +79,11 @@ class Preset:
 
     mechmon_delta: int
     """Increment window in steps (``--mechmon-delta``)."""
+
+    router_lr_mult: float = 15.0
+    """``--router-lr-mult`` of the ``moe-router-lr`` fault: the router's LR schedule times this.
+    15 is the whole-model LR multiple that collapsed routing on every seed of the DeepSpeed LR
+    study (docs/RESULTS.md); here it is applied to the router alone."""
 
     lr_decay_iters: Optional[int] = None
     """``--lr-decay-iters`` (default: the run length). The demo decays over the full study's
@@ -150,6 +159,7 @@ class Scenario:
     fa_fault: bool = False
     lr: Literal["base", "high"] = "base"
     global_batch: Literal["base", "small"] = "base"
+    router_lr: Literal["base", "high"] = "base"
 
     def fault_onset(self, preset: Preset) -> Optional[int]:
         """First faulty step: the fa onset, 1 for a misconfiguration present from the start,
@@ -161,8 +171,8 @@ class Scenario:
         return 1
 
     def router_fault_onset(self, preset: Preset) -> Optional[int]:
-        """First step of a router-family fault (high LR or small batch: 1), else None."""
-        return 1 if self.lr == "high" or self.global_batch == "small" else None
+        """First step of a router-family fault (high LR, small batch, high router LR: 1), else None."""
+        return 1 if self.lr == "high" or self.global_batch == "small" or self.router_lr == "high" else None
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -185,6 +195,10 @@ SCENARIOS: dict[str, Scenario] = {
             fault_family="both",
             fa_fault=True,
             lr="high",
+        ),
+        Scenario(
+            name="moe-router-lr", description="MoE with a high learning rate on the router weights only",
+            fault_family="router", router_lr="high",
         ),
     )
 }
@@ -241,6 +255,8 @@ def trainer_flags(scenario: Scenario, preset: Preset, seed: int, train_iters: in
         "--mechmon-delta", str(preset.mechmon_delta), "--mechmon-action", "log",
         "--mechmon-per-head-scalars",
     ]
+    if scenario.router_lr == "high":
+        flags += ["--router-lr-mult", repr(preset.router_lr_mult)]
     if scenario.fa_fault:
         flags += [
             "--fa-fault-strength", repr(preset.fa_strength), "--fa-fault-onset", str(preset.fa_onset),

@@ -57,6 +57,9 @@ def _training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-decay-iters", type=int, default=None, help="Default: --train-iters.")
     g.add_argument("--lr-decay-style", default="cosine", choices=["constant", "linear", "cosine"])
+    g.add_argument("--router-lr-mult", type=float, default=1.0,
+                   help="Multiply the peak and minimum LR of the MoE router weights only (a "
+                        "router-only learning-rate fault for the fault study); 1 = off.")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.95)
@@ -143,6 +146,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     args.num_microbatches = args.global_batch_size // per_step
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
+    if not args.router_lr_mult > 0:
+        raise ValueError(f"--router-lr-mult must be > 0, got {args.router_lr_mult}.")
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
     multiple = args.make_vocab_size_divisible_by * tp

@@ -15,6 +15,22 @@ import torch
 from .args import ArgsProvider, parse_args, validate_args
 
 
+ROUTER_PARAM_PATTERN = "*.router.*"
+"""megatron-core's router parameters (``decoder.layers.N.mlp.router.weight``, behind the DDP
+wrapper's ``module.``), matched with ParamKey's shell-style name patterns."""
+
+
+def router_lr_overrides(args) -> Optional[dict]:
+    """Optimizer param-group overrides that scale the router's LR schedule by --router-lr-mult
+    (warmup, peak and decay floor alike), or None when the multiplier is 1."""
+    if args.router_lr_mult == 1.0:
+        return None
+    from megatron.core.optimizer import ParamKey
+
+    mult = args.router_lr_mult
+    return {ParamKey(name=ROUTER_PARAM_PATTERN): {"max_lr": args.lr * mult, "min_lr": args.min_lr * mult}}
+
+
 def main(argv: Optional[Sequence[str]] = None,
          extra_args_providers: Optional[Iterable[ArgsProvider]] = None,
          callbacks_factory: Optional[Callable[[Any], list]] = None) -> int:
@@ -52,7 +68,7 @@ def main(argv: Optional[Sequence[str]] = None,
                         weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
                         adam_beta2=args.adam_beta2, clip_grad=args.clip_grad,
                         params_dtype=torch.float32, use_distributed_optimizer=False),
-        model_chunks)
+        model_chunks, config_overrides=router_lr_overrides(args))
     config.grad_scale_func = optimizer.scale_loss
     gbs = args.global_batch_size
     scheduler = OptimizerParamScheduler(
