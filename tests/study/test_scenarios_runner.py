@@ -27,7 +27,12 @@ def test_each_scenario_sets_its_fault_only():
     assert _flag(clean, "--lr") == _flag(fa, "--lr") == _flag(moe_gbs, "--lr")
     assert _flag(moe_lr, "--lr") == _flag(combined, "--lr") != _flag(clean, "--lr")
     assert int(_flag(moe_gbs, "--global-batch-size")) < int(_flag(clean, "--global-batch-size"))
-    for flags in (clean, fa, moe_lr, moe_gbs, combined):
+    router_lr = S.trainer_flags(S.get_scenario("moe-router-lr"), preset, 1, 100)
+    assert float(_flag(router_lr, "--router-lr-mult")) == preset.router_lr_mult > 1
+    assert all("--router-lr-mult" not in f for f in (clean, fa, moe_lr, moe_gbs, combined))
+    assert _flag(router_lr, "--lr") == _flag(clean, "--lr") and "--fa-fault-strength" not in router_lr
+    assert S.get_scenario("moe-router-lr").fault_onset(preset) == S.get_scenario("moe-router-lr").router_fault_onset(preset) == 1
+    for flags in (clean, fa, moe_lr, moe_gbs, combined, router_lr):
         assert _flag(flags, "--mechmon-action") == "log"
         assert "--mechmon-per-head-scalars" in flags and "--log-max-attn-logit" in flags
         assert _flag(flags, "--train-iters") == "100" and _flag(flags, "--seed") == "1"
