@@ -226,7 +226,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print(f"run {r.spec.run_id} exited {r.returncode}:\n{r.tail}", file=sys.stderr)
     results = analyze(args.out, specs)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "results.json"), "w", encoding="utf-8") as f:
+    path = os.path.join(args.out, "results.json")
+    if wall is None and os.path.exists(path):  # --analyze-only keeps the training time it measured
+        with open(path, encoding="utf-8") as f:
+            wall = json.load(f).get("training_wall_s")
+    with open(path, "w", encoding="utf-8") as f:
         json.dump({"args": vars(args), "training_wall_s": wall, "runs": results}, f, indent=2)
     if not args.no_plot:
         print(f"plot: {plot(args.out, specs, results)}", file=sys.stderr)
