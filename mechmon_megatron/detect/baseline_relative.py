@@ -16,11 +16,15 @@ Per check (one value of one stream, e.g. the Delta2 spectral entropy of layer 3 
 5. In-band values (and, unless ``freeze_baseline_when_out``, out-of-band ones) enter the
    baseline after the decision, so a value never judges itself.
 
-Optional absolute limit (``update(..., limit=x)``, in stream units): a value beyond it (below for
-``drop``, above for ``rise``) is out of band whatever the baseline says, **also during warm-up**,
-and never enters the baseline. It exists for faults that start with training, which a
-baseline formed in the first checks would absorb (e.g. a routing-entropy collapse under a
-mis-set learning rate: the session's limit is log(top-k), see ``session.router_check``).
+Optional absolute limit (``update(..., limit=x)``, in stream units) that stands in for the
+baseline while there is none: during warm-up a value beyond it (below for ``drop``, above for
+``rise``) is out of band (patience applies) and is not absorbed, so a stream that starts out
+collapsed never forms a baseline and stays judged by the limit. Once ``warmup`` values within
+the limit have formed the baseline, the baseline-relative band alone decides (a healthy stream
+may drift past an absolute level over a long run; the paper asks for healthy-baseline
+comparisons). It exists for faults that start with training, which a baseline formed in the
+first checks would absorb (e.g. a routing-entropy collapse under a mis-set learning rate: the
+session's limit is log(top-k), see ``session.router_check``).
 
 ``scale`` is 1.4826 x MAD of the window (``median``) or sqrt(pi/2) x EMA of |deviation|
 (``ema``); a zero scale (constant stream) is covered by the relative / absolute floors.
@@ -62,7 +66,8 @@ class DetectorEvent:
             in band; on an alarm it gives the warning lead time.
         name: stream name (set by :class:`~mechmon_megatron.detect.bank.DetectorBank`).
         limit: the absolute limit of this check (NaN when none was given).
-        beyond_limit: True when the value lay beyond ``limit`` (out of band because of it).
+        beyond_limit: True when the value lay beyond ``limit`` during warm-up (out of band
+            because of it; after warm-up the limit is not used and this is False).
     """
 
     step: int
@@ -156,8 +161,9 @@ class BaselineRelativeDetector:
     def update(self, step: int, value: float, limit: float | None = None) -> DetectorEvent:
         """Judge ``value`` (stream units) observed at training ``step``; returns the event.
 
-        ``limit``: optional absolute limit in stream units (see the module docstring); it is
-        given per check, not stored, so the caller may derive it from the model's shape.
+        ``limit``: optional absolute limit in stream units, used until the baseline is formed
+        (see the module docstring); it is given per check, not stored, so the caller may derive
+        it from the model's shape.
         """
         step, value = int(step), float(value)
         limit = math.nan if limit is None else float(limit)
@@ -175,11 +181,11 @@ class BaselineRelativeDetector:
                 event = self._in_band(step, value, centre, scale, math.nan, limit, status="warmup")
         else:
             self._num_finite += 1
-            threshold = self._binding_edge(self._threshold(centre, scale), limit)
-            relative_out = value < threshold if self.config.direction == "drop" else value > threshold
-            if relative_out or beyond:
-                event = self._out_of_band(step, value, centre, scale, threshold, limit, beyond, force_alarm=False)
-                if not self.config.freeze_baseline_when_out and not beyond:
+            threshold = self._threshold(centre, scale)
+            out = value < threshold if self.config.direction == "drop" else value > threshold
+            if out:
+                event = self._out_of_band(step, value, centre, scale, threshold, limit, False, force_alarm=False)
+                if not self.config.freeze_baseline_when_out:
                     self._absorb(value)
             else:
                 event = self._in_band(step, value, centre, scale, threshold, limit)
@@ -191,12 +197,6 @@ class BaselineRelativeDetector:
         if math.isnan(limit) or not math.isfinite(value):
             return False
         return value < limit if self.config.direction == "drop" else value > limit
-
-    def _binding_edge(self, threshold: float, limit: float) -> float:
-        """The stricter of the baseline threshold and the absolute limit."""
-        if math.isnan(limit):
-            return threshold
-        return max(threshold, limit) if self.config.direction == "drop" else min(threshold, limit)
 
     def _in_band(
         self, step: int, value: float, centre: float, scale: float, threshold: float, limit: float,

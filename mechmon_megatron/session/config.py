@@ -69,9 +69,11 @@ class MechmonConfig:
     """Absolute floor of the routing-entropy alarm, as an effective number of experts per token,
     exp(mean full-softmax entropy) in [1, E]. ``"topk"`` (default): the router's top-k, i.e.
     alarm when tokens spread their routing probability over fewer experts than each is dispatched
-    to (the stable-winner loop has started). It holds from the first check, so it catches a
-    collapse inside the detector's warm-up. ``0`` turns it off; top-1 routers have no floor under
-    ``"topk"`` (exp(H) >= 1 always)."""
+    to (the stable-winner loop has started). It judges the stream from the first check until
+    ``detector_warmup`` checks above it have formed the baseline (then the baseline-relative band
+    alone decides), so it catches a collapse that starts with training, which the warm-up would
+    otherwise absorb, without alarming on a healthy router that sharpens slowly over a long run.
+    ``0`` turns it off; top-1 routers have no floor under ``"topk"`` (exp(H) >= 1 always)."""
 
     detector_warmup: int = 10
     """Checks that form a stream's baseline before it may alarm."""

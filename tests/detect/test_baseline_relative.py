@@ -291,18 +291,26 @@ def test_limit_run_is_consecutive_in_warmup():
     assert statuses == ["warning", "warmup", "warning", "warmup", "warning", "alarm"]
 
 
-def test_limit_binds_after_warmup_when_stricter_than_the_band():
+def test_limit_is_not_used_once_the_baseline_is_formed():
+    """A healthy stream that forms its baseline and then drifts slowly past the limit is judged
+    by the baseline alone (the limit only stands in for a missing baseline)."""
     det = BaselineRelativeDetector(DetectorConfig(warmup=3, patience=1, min_rel_change=0.5))
     for i in range(3):
         det.update(i, 1.0, limit=0.9)
-    inside_band_below_limit = det.update(3, 0.85, limit=0.9)  # band edge is 0.5
-    assert inside_band_below_limit.fired and inside_band_below_limit.beyond_limit
-    assert inside_band_below_limit.threshold == 0.9
-    det2 = BaselineRelativeDetector(DetectorConfig(warmup=3, patience=1, min_rel_change=0.05))
-    for i in range(3):
-        det2.update(i, 1.0, limit=0.5)
-    relative = det2.update(3, 0.9, limit=0.5)  # band edge 0.95 is the stricter one
-    assert relative.fired and not relative.beyond_limit and relative.threshold == pytest.approx(0.95)
+    below_limit_inside_band = det.update(3, 0.85, limit=0.9)  # band edge is 0.5
+    assert below_limit_inside_band.status == "ok" and not below_limit_inside_band.beyond_limit
+    assert below_limit_inside_band.threshold == pytest.approx(0.5)
+    relative = det.update(4, 0.4, limit=0.9)
+    assert relative.fired and not relative.beyond_limit
+
+
+def test_a_stream_that_starts_beyond_the_limit_never_forms_a_baseline():
+    det = BaselineRelativeDetector(DetectorConfig(warmup=3, patience=2, rearm=2))
+    values = [1.0, 0.5, 0.4, 0.3, 0.3, 0.3, 0.3]
+    events = [det.update(i, v, limit=0.7) for i, v in enumerate(values)]
+    assert [e.status for e in events] == ["warmup", "warning", "alarm", "alarm", "alarm", "alarm", "alarm"]
+    assert [e.fired for e in events].count(True) == 1 and all(e.beyond_limit for e in events[1:])
+    assert det.baseline() == (1.0, 0.0)
 
 
 def test_limit_for_rising_streams_and_no_limit_is_unchanged():
