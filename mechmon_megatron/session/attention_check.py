@@ -32,7 +32,7 @@ class Stream:
     layer_number: int
     head: Optional[int] = None
     limit: Optional[float] = None
-    """Absolute limit in stream units (out of band beyond it from the first check), or None."""
+    """Absolute limit in stream units (out of band beyond it until the stream has a baseline), or None."""
     limit_reason: str = ""
     """What crossing ``limit`` means, for the alert."""
 
