@@ -110,15 +110,18 @@ def recorded_limit(name: str, scalars: Mapping[str, float]) -> Optional[float]:
     return scalars.get(f"{names.PREFIX}/router/token_entropy_floor/{name[len(prefix):]}")
 
 
+_SESSION_DEFAULTS = MechmonConfig()
+
+
 @dataclass(kw_only=True, frozen=True, slots=True)
 class DetectorSetting:
     """The ``--mechmon-detector-*`` settings of a replay (one set for every scenario)."""
 
-    warmup: int = 10
-    window: int = 50
-    num_mads: float = 6.0
-    min_rel_change: float = 0.05
-    patience: int = 3
+    warmup: int = _SESSION_DEFAULTS.detector_warmup
+    window: int = _SESSION_DEFAULTS.detector_window
+    num_mads: float = _SESSION_DEFAULTS.detector_num_mads
+    min_rel_change: float = _SESSION_DEFAULTS.detector_min_rel_change
+    patience: int = _SESSION_DEFAULTS.detector_patience
 
     def mechmon_config(self) -> MechmonConfig:
         return MechmonConfig(
