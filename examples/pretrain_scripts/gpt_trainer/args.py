@@ -56,7 +56,12 @@ def _training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-decay-iters", type=int, default=None, help="Default: --train-iters.")
-    g.add_argument("--lr-decay-style", default="cosine", choices=["constant", "linear", "cosine"])
+    g.add_argument("--lr-decay-style", default="cosine", choices=["constant", "linear", "cosine", "WSD"])
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None,
+                   help="WSD: length of the final decay phase in iterations (stable before it).")
+    g.add_argument("--lr-wsd-decay-style", default="linear",
+                   choices=["linear", "cosine", "exponential", "minus_sqrt"],
+                   help="WSD: shape of the final decay phase.")
     g.add_argument("--router-lr-mult", type=float, default=1.0,
                    help="Multiply the peak and minimum LR of the MoE router weights only (a "
                         "router-only learning-rate fault for the fault study); 1 = off.")
@@ -93,11 +98,20 @@ def _io_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--save", default=None, help="Checkpoint directory.")
     g.add_argument("--load", default=None, help="Resume from this checkpoint directory.")
     g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--save-at-iters", type=_int_list, default=(),
+                   help="Comma-separated extra iterations to save at (e.g. fork points of a study).")
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--metrics-jsonl", default=None,
                    help="Per-iteration metrics file (iteration, lm_loss, grad_norm, lr, "
                         "step_time_s), written by the last rank.")
     g.add_argument("--log-interval", type=int, default=1)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
 
 
 def build_parser(extra_args_providers: Optional[Iterable[ArgsProvider]] = None
@@ -146,6 +160,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     args.num_microbatches = args.global_batch_size // per_step
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
+    if args.lr_decay_style == "WSD":
+        if args.lr_wsd_decay_iters is None or not 0 < args.lr_wsd_decay_iters <= args.lr_decay_iters:
+            raise ValueError("--lr-decay-style WSD needs --lr-wsd-decay-iters in 1..--lr-decay-iters, got "
+                             f"{args.lr_wsd_decay_iters}.")
     if not args.router_lr_mult > 0:
         raise ValueError(f"--router-lr-mult must be > 0, got {args.router_lr_mult}.")
     if args.distributed_backend is None:

@@ -118,7 +118,8 @@ class Trainer:
                 request = ExitRequest(save=True, exit_code=0, reason="--exit-interval reached")
             if request is not None:
                 return self.exit(request)
-            if args.save_interval and self.iteration % args.save_interval == 0:
+            if ((args.save_interval and self.iteration % args.save_interval == 0)
+                    or self.iteration in args.save_at_iters):
                 self.save_regular(self.iteration)
                 last_saved = self.iteration
         path = None

@@ -76,7 +76,9 @@ def main(argv: Optional[Sequence[str]] = None,
         lr_warmup_steps=args.lr_warmup_iters * gbs, lr_decay_steps=args.lr_decay_iters * gbs,
         lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
         end_wd=args.weight_decay, wd_incr_steps=args.train_iters * gbs,
-        wd_incr_style="constant")
+        wd_incr_style="constant",
+        wsd_decay_steps=args.lr_wsd_decay_iters * gbs if args.lr_decay_style == "WSD" else None,
+        lr_wsd_decay_style=args.lr_wsd_decay_style if args.lr_decay_style == "WSD" else None)
 
     callbacks = CallbackList([AttentionStepCallback(args)] + (callbacks_factory(args) if callbacks_factory else []))
     iteration = 0

@@ -1,0 +1,56 @@
+"""Detector calibration study: long healthy runs and the fault grid, then the analysis.
+
+    python tools/detector_study.py run --out runs/detector_study --jobs 2   # hours on 2 cores; resumable
+    python tools/detector_study.py analyze --out runs/detector_study         # tables, plots, JSON
+
+``run`` trains (or resumes) every run of ``mechmon_megatron.study.long_plan``; launch it again
+after an interruption and it continues from the checkpoints. See docs/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from mechmon_megatron.study.campaign import launch_campaign
+from mechmon_megatron.study.long_plan import plan_campaign
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="Train or resume every run of the campaign.")
+    run.add_argument("--out", required=True, help="Campaign directory.")
+    run.add_argument("--jobs", type=int, default=2, help="Runs in parallel (one core each).")
+    run.add_argument("--only", default=None, help="Comma-separated run ids (default: all).")
+    run.add_argument("--no-progress", action="store_true")
+    analyze = sub.add_parser("analyze", help="Calibrate the detector and compare rules at equal false-alarm rate.")
+    analyze.add_argument("--out", required=True, help="Campaign directory.")
+    analyze.add_argument("--no-plots", action="store_true")
+    return p
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    if args.command == "run":
+        runs = plan_campaign()
+        if args.only:
+            wanted = {x.strip() for x in args.only.split(",")}
+            unknown = wanted - {r.run_id for r in runs}
+            if unknown:
+                raise SystemExit(f"--only: unknown run ids {sorted(unknown)}; choose from {[r.run_id for r in runs]}")
+            runs = [r for r in runs if r.run_id in wanted]
+        status = launch_campaign(runs, args.out, jobs=args.jobs, progress=not args.no_progress)
+        print(json.dumps({k: v.get("state") for k, v in status.items()}, indent=1))
+        return 0 if all(v.get("state") in ("done", "stopped-after-divergence") for v in status.values()) else 1
+    from mechmon_megatron.study.detector_report import analyze_campaign
+
+    analyze_campaign(args.out, plots=not args.no_plots)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
