@@ -1,0 +1,245 @@
+"""From one false-alarm target to CUSUM thresholds: the measured null tail and the union bound.
+
+The user sets ``R``, the expected number of false alarms per 1,000,000 training steps for the
+whole job. A job runs ``N`` tests (per family: one CUSUM per layer, plus the pooled family
+CUSUM when the family has more than one layer) at ``C = 10^6 / interval`` checks per million
+steps. An alarm episode starts at a check where ``S > h``, so by the union bound
+
+    E[false alarms per 10^6 steps] <= sum over tests of C * P0(S > h_test)
+
+and it is enough that every test satisfies ``P0(S > h) <= p = R / (N C)``.
+
+``P0`` is the null (healthy-run) distribution of the CUSUM statistic, measured by replaying the
+detector on recorded healthy runs (:func:`fit_null_tail`). A CUSUM of bounded increments (the
+residuals are clipped) has an exponential stationary tail, ``P0(S > h) ~ A exp(-theta h)``
+(Cramer-Lundberg; for dependent increments theta is set by the long-run cumulant generating
+function, so overlapping windows, ``delta > interval``, lower it). We fit it on the exceedances
+over a high level ``u0`` of the measured ``S`` (maximum likelihood for an exponential excess,
+which needs no independence across checks for its point estimate) and use theta at the lower
+end of its one-sided confidence interval, so the thresholds err on the side of silence:
+
+    h = u0 + (log P0(S > u0) - log p) / theta_lower.
+
+The fitted tails of the shipped default (``null_tails.json``) were measured on the study's
+healthy runs (docs/RESULTS.md, "Calibration"); ``tools/calibrate_detector.py`` refits them on a
+user's own healthy runs. Pure Python.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+from mechmon_megatron.detect.pooled_cusum import FamilyThresholds, Thresholds
+
+__all__ = [
+    "DEFAULT_FALSE_ALARM_RATE",
+    "DEFAULT_WARNING_FACTOR",
+    "JobShape",
+    "NullTail",
+    "TailTable",
+    "fit_null_tail",
+    "load_tail_table",
+    "thresholds_for_job",
+]
+
+DEFAULT_FALSE_ALARM_RATE = 0.01
+"""Expected false alarms per 1,000,000 steps for the whole job (``--mechmon-false-alarm-rate``)."""
+
+DEFAULT_WARNING_FACTOR = 1000.0
+"""Warnings are set at ``R * factor`` (10 per million steps at the default R): sensitive, never act."""
+
+_TAIL_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "null_tails.json")
+
+
+@dataclass(frozen=True, slots=True)
+class NullTail:
+    """``P0(S > h) = exp(log_p_u0 - theta (h - u0))`` for ``h >= u0`` (CUSUM units)."""
+
+    u0: float
+    log_p_u0: float
+    theta: float
+    """Decay rate used for thresholds (the lower confidence bound)."""
+    theta_hat: float
+    """Maximum-likelihood decay rate."""
+    samples: int
+    exceedances: int
+
+    def log_survival(self, h: float) -> float:
+        """log P0(S > h), the fitted tail (exact empirical anchor at ``u0``)."""
+        return self.log_p_u0 - self.theta * max(0.0, h - self.u0)
+
+    def threshold(self, probability: float) -> float:
+        """Smallest ``h`` with fitted ``P0(S > h) <= probability``."""
+        if not 0 < probability < 1:
+            raise ValueError(f"probability must be in (0, 1), got {probability}.")
+        return self.u0 + max(0.0, (self.log_p_u0 - math.log(probability)) / self.theta)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _chi2_quantile(p: float, dof: int) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile (accurate to ~1 % for dof >= 10)."""
+    z = _normal_quantile(p)
+    a = 2.0 / (9.0 * dof)
+    return dof * (1.0 - a + z * math.sqrt(a)) ** 3
+
+
+def _normal_quantile(p: float) -> float:
+    """Inverse standard normal CDF by bisection on erf (no scipy)."""
+    lo, hi = -12.0, 12.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if 0.5 * (1.0 + math.erf(mid / math.sqrt(2.0))) < p:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
+def fit_null_tail(values: Iterable[float], tail_quantile: float = 0.95, confidence: float = 0.95,
+                  min_exceedances: int = 20, hard_min_exceedances: int = 5) -> NullTail:
+    """Fit the exponential tail of the CUSUM statistic from healthy-run values (one per check
+    and test). ``u0`` is the ``tail_quantile`` of the values, lowered until ``min_exceedances``
+    values exceed it, never below 0 (the CUSUM sits at 0 much of the time); the excesses over
+    it give theta. Few exceedances widen the confidence interval, so a data-starved fit is a
+    cautious one. ValueError with fewer than ``hard_min_exceedances``."""
+    xs = sorted(float(v) for v in values if math.isfinite(v))
+    n = len(xs)
+    if n == 0:
+        raise ValueError("no null values to fit")
+    wanted = max(min_exceedances, int(math.ceil((1.0 - tail_quantile) * n)))
+    u0 = max(0.0, xs[n - wanted - 1]) if n > wanted else 0.0
+    excess = [x - u0 for x in xs if x > u0]
+    if len(excess) < hard_min_exceedances:
+        raise ValueError(
+            f"only {len(excess)} of {n} null values exceed u0={u0:.3g} (need {hard_min_exceedances}): "
+            "record longer healthy runs."
+        )
+    k = len(excess)
+    theta_hat = k / math.fsum(excess)
+    # 2 k theta / theta_hat ~ chi2(2k) for exponential excesses: one-sided lower bound on theta.
+    theta_low = theta_hat * _chi2_quantile(1.0 - confidence, 2 * k) / (2 * k)
+    return NullTail(u0=u0, log_p_u0=math.log(k / n), theta=theta_low, theta_hat=theta_hat, samples=n, exceedances=k)
+
+
+@dataclass(frozen=True, slots=True)
+class JobShape:
+    """What the union bound counts: layers per family and the check interval (steps)."""
+
+    layers: Mapping[str, int]
+    """Family -> number of layers it monitors in the whole job (all ranks)."""
+    interval: int
+    overlap: int = 1
+    """``ceil(delta / interval)``: how many checks share one increment window."""
+
+    def num_tests(self) -> int:
+        return sum(n + (1 if n > 1 else 0) for n in self.layers.values() if n > 0)
+
+    def checks_per_million(self) -> float:
+        return 1e6 / self.interval
+
+
+@dataclass
+class TailTable:
+    """Fitted null tails keyed by overlap, family and level (``layer`` / ``family``)."""
+
+    tails: dict[int, dict[str, dict[str, NullTail]]]
+    source: str = ""
+
+    def tail(self, overlap: int, family: str, level: str) -> tuple[NullTail, str]:
+        """The tail for this overlap, and a note when it is not a direct measurement.
+
+        The smallest measured overlap >= ``overlap`` is used (more overlap, stronger
+        autocorrelation, a heavier tail: conservative). Beyond the largest measured overlap,
+        theta is scaled by ``measured / overlap`` (the long-run variance of a sum over
+        ``overlap`` shared windows grows linearly with it), and the note says so.
+        """
+        measured = sorted(self.tails)
+        usable = [m for m in measured if m >= overlap]
+        if usable:
+            m = usable[0]
+            tail = self._lookup(m, family, level)
+            note = "" if m == overlap else f"overlap {overlap} uses the tail measured at overlap {m} (conservative)"
+            return tail, note
+        m = measured[-1]
+        tail = self._lookup(m, family, level)
+        scale = m / overlap
+        scaled = NullTail(u0=tail.u0, log_p_u0=tail.log_p_u0, theta=tail.theta * scale,
+                          theta_hat=tail.theta_hat * scale, samples=tail.samples, exceedances=tail.exceedances)
+        return scaled, f"overlap {overlap} > measured {m}: theta scaled by {scale:.3g} (an extrapolation)"
+
+    def _lookup(self, overlap: int, family: str, level: str) -> NullTail:
+        try:
+            return self.tails[overlap][family][level]
+        except KeyError:
+            if level == "family":  # a family measured on one layer only: use its layer tail
+                return self.tails[overlap][family]["layer"]
+            raise KeyError(f"no null tail for family {family!r} level {level!r} at overlap {overlap}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "tails": {
+                str(m): {f: {lv: t.to_dict() for lv, t in levels.items()} for f, levels in fams.items()}
+                for m, fams in sorted(self.tails.items())
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "TailTable":
+        tails = {
+            int(m): {f: {lv: NullTail(**t) for lv, t in levels.items()} for f, levels in fams.items()}
+            for m, fams in data["tails"].items()
+        }
+        return cls(tails=tails, source=str(data.get("source", "")))
+
+
+def load_tail_table(path: Optional[str] = None) -> TailTable:
+    """The shipped calibration (``detect/null_tails.json``) or a user's file."""
+    with open(path or _TAIL_FILE, encoding="utf-8") as f:
+        return TailTable.from_dict(json.load(f))
+
+
+def thresholds_for_job(
+    shape: JobShape,
+    rate_per_million: float = DEFAULT_FALSE_ALARM_RATE,
+    table: Optional[TailTable] = None,
+    warning_factor: float = DEFAULT_WARNING_FACTOR,
+) -> tuple[dict[str, FamilyThresholds], dict[str, Any]]:
+    """Per-family thresholds for the job, and a JSON-serialisable account of how they were set."""
+    if not (math.isfinite(rate_per_million) and rate_per_million > 0):
+        raise ValueError(f"--mechmon-false-alarm-rate must be a number > 0, got {rate_per_million}.")
+    if not warning_factor >= 1:
+        raise ValueError(f"warning factor must be >= 1, got {warning_factor}.")
+    table = table or load_tail_table()
+    tests = max(1, shape.num_tests())
+    per_test = rate_per_million / (tests * shape.checks_per_million())
+    per_test_warning = min(0.5, per_test * warning_factor)
+    out: dict[str, FamilyThresholds] = {}
+    notes: list[str] = []
+    for family, layers in sorted(shape.layers.items()):
+        levels = {}
+        for level in ("layer", "family"):
+            tail, note = table.tail(shape.overlap, family, level)
+            if note and note not in notes:
+                notes.append(note)
+            warning, alarm = tail.threshold(per_test_warning), tail.threshold(per_test)
+            levels[level] = Thresholds(warning=max(warning, 1e-6), alarm=max(alarm, warning, 1e-6))
+        out[family] = FamilyThresholds(layer=levels["layer"], family=levels["family"])
+    account = {
+        "false_alarm_rate_per_million_steps": rate_per_million,
+        "tests": tests,
+        "checks_per_million_steps": shape.checks_per_million(),
+        "per_test_check_probability": per_test,
+        "warning_per_test_check_probability": per_test_warning,
+        "overlap": shape.overlap,
+        "notes": notes,
+        "thresholds": {f: {"layer": asdict(t.layer), "family": asdict(t.family)} for f, t in out.items()},
+    }
+    return out, account

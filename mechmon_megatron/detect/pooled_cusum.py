@@ -1,0 +1,392 @@
+"""The whole-job detector: standardised residuals, pooled per layer and per family, CUSUM.
+
+One check delivers an :class:`Observation` per monitored stream (e.g. one per attention head
+for ``attn_delta2``). Per family (``attn_delta2``, ``attn_dw``, ``router_entropy``,
+``router_weights``):
+
+1. **Residuals.** Each stream has a :class:`~mechmon_megatron.detect.robust_trend.RobustTrend`
+   baseline; its standardised residual ``z`` (positive in the fault direction) is clipped to
+   ``[-clip, clip]`` so that no single value can carry an alarm and the CUSUM's increments are
+   bounded (what makes its null tail exponential, see ``detect.null_model``).
+2. **Pooling.** A layer's statistic ``u_L`` is the trimmed mean (``trim`` of the members cut at
+   each end) of its members' residuals: one noisy head moves it little, a coherent shift of
+   many heads moves it fully. The family statistic ``u_F`` is the trimmed mean of the ``u_L``.
+3. **Sequential test.** One-sided CUSUM per layer and per family:
+   ``S_t = max(0, S_{t-1} + u_t - reference)``. ``S`` crossing the ``warning`` level is a
+   warning (written, never acts); crossing ``alarm`` fires an alarm. The CUSUM's last zero
+   before an alarm is its change-point estimate (``change_step``): the check after which the
+   shift began.
+4. **Baselines follow healthy drift, not faults.** After the decision, a finite value enters
+   its stream's baseline unless its layer or its family is above the warning level (a suspected
+   shift is not absorbed). After an alarm the layer (family: every layer) restarts: CUSUM 0,
+   baselines re-learned from the next checks.
+5. **Absolute limit** (the routing-entropy floor): while a stream has no baseline, a value
+   beyond ``Observation.limit`` is kept out of the baseline and ``limit_patience`` consecutive
+   such values fire an alarm, so a run that starts collapsed is judged by the limit.
+6. A non-finite value fires an alarm for its layer at once.
+
+Thresholds come from one false-alarm target through ``detect.null_model``. Pure Python;
+``state_dict()`` is JSON-serialisable and a replay of recorded values reproduces the online
+decisions exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal, Optional
+
+from mechmon_megatron.detect.robust_trend import Direction, RobustTrend, TrendConfig
+
+__all__ = [
+    "FAMILY_DIRECTIONS",
+    "CheckResult",
+    "FamilyThresholds",
+    "Observation",
+    "PooledAlarm",
+    "PooledCusumDetector",
+    "SequentialConfig",
+    "Thresholds",
+    "default_sequential_config",
+    "trimmed_mean",
+    "warmup_checks",
+]
+
+POOLED_STATE_VERSION = 1
+
+FAMILY_DIRECTIONS: dict[str, Direction] = {
+    "attn_delta2": "drop",
+    "attn_dw": "drop",
+    "router_entropy": "drop",
+    "router_weights": "rise",
+}
+"""Fault direction of each family: entropies drop, router weight similarity rises."""
+
+Level = Literal["layer", "family"]
+
+
+def trimmed_mean(values: Iterable[float], trim: float) -> float:
+    """Mean after cutting ``floor(trim * n)`` values at each end (``trim`` in [0, 0.5))."""
+    xs = sorted(values)
+    if not xs:
+        raise ValueError("trimmed_mean of no values")
+    cut = int(math.floor(trim * len(xs)))
+    kept = xs[cut: len(xs) - cut] or xs
+    return math.fsum(kept) / len(kept)
+
+
+@dataclass(frozen=True, slots=True)
+class Thresholds:
+    """CUSUM levels (in pooled-residual units) of one test."""
+
+    warning: float
+    alarm: float
+
+    def __post_init__(self) -> None:
+        if not (0 < self.warning <= self.alarm and math.isfinite(self.alarm)):
+            raise ValueError(f"thresholds need 0 < warning <= alarm < inf, got {self.warning}, {self.alarm}.")
+
+
+@dataclass(frozen=True, slots=True)
+class FamilyThresholds:
+    """Levels of a family's per-layer CUSUMs and of its pooled family CUSUM."""
+
+    layer: Thresholds
+    family: Thresholds
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class SequentialConfig:
+    """The detector's fixed design (not the thresholds; those come from the false-alarm rate)."""
+
+    reference: float = 1.0
+    """CUSUM reference ``k`` (pooled-residual units): the test is tuned to shifts of ~2 k."""
+    clip: float = 8.0
+    """Residuals are clipped to [-clip, clip] before pooling."""
+    trim: float = 0.25
+    """Share of members cut at each end by the trimmed means."""
+    limit_patience: int = 3
+    """Consecutive values beyond the absolute limit (before a baseline) that fire an alarm."""
+    name_members_above: float = 2.0
+    """An alarm names the members (heads) whose residual is at least this (else the largest)."""
+    trend: TrendConfig = field(default_factory=TrendConfig)
+    """Per-stream baseline; ``family_trends`` overrides it per family."""
+    family_trends: Mapping[str, TrendConfig] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.reference) and self.reference > 0):
+            raise ValueError(f"reference must be > 0, got {self.reference}.")
+        if not (math.isfinite(self.clip) and self.clip > self.reference):
+            raise ValueError(f"clip must be finite and > reference, got {self.clip}.")
+        if not 0 <= self.trim < 0.5:
+            raise ValueError(f"trim must be in [0, 0.5), got {self.trim}.")
+        if self.limit_patience < 1:
+            raise ValueError(f"limit_patience must be >= 1, got {self.limit_patience}.")
+
+    def trend_of(self, family: str) -> TrendConfig:
+        return self.family_trends.get(family, self.trend)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["family_trends"] = {k: asdict(v) for k, v in self.family_trends.items()}
+        return out
+
+
+WARMUP_STEPS = 200
+"""Training steps of values that form a stream's first baseline (at least ``MIN_WARMUP_CHECKS``)."""
+MIN_WARMUP_CHECKS = 5
+
+
+def warmup_checks(interval: int) -> int:
+    """Checks of warm-up for a check interval: ``max(5, ceil(200 / interval))`` (10 at interval 20,
+    5 at interval 100). Measured in steps because the absolute routing-entropy limit judges the
+    warm-up, and healthy routers of the study's model only sharpen below two effective experts
+    after 680-960 steps (docs/RESULTS.md)."""
+    if interval < 1:
+        raise ValueError(f"interval must be >= 1, got {interval}.")
+    return max(MIN_WARMUP_CHECKS, math.ceil(WARMUP_STEPS / interval))
+
+
+def default_sequential_config(interval: int = 20) -> SequentialConfig:
+    """The shipped design for a check interval (steps). Router weight similarity sits near 0, so
+    its scale floor is absolute (0.005 cosine units)."""
+    warmup = warmup_checks(interval)
+    trend = TrendConfig(warmup=warmup, min_trend=warmup)
+    return SequentialConfig(
+        trend=trend, family_trends={"router_weights": replace(trend, abs_scale_floor=0.005)},
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """One stream's value at one check."""
+
+    family: str
+    layer: int
+    """Global 1-based layer number (megatron-core ``layer_number``)."""
+    member: str
+    """The stream within its layer: ``head_H`` (query-head index), ``dwq`` / ``dwk``, or ``""``."""
+    value: float
+    limit: Optional[float] = None
+    """Absolute limit that stands in for the baseline while there is none (stream units)."""
+    limit_reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PooledAlarm:
+    """A fired alarm (``kind``: ``cusum``, ``limit`` or ``nonfinite``)."""
+
+    step: int
+    family: str
+    level: Level
+    kind: str
+    layers: tuple[int, ...]
+    """The layer of a layer-level alarm; for a family alarm the layers that carry it."""
+    members: tuple[str, ...]
+    """Heads (members) that carry it, in the first named layer."""
+    statistic: float
+    threshold: float
+    change_step: Optional[int]
+    """Check after which the shift began (the CUSUM's last zero); None if unknown."""
+    reason: str = ""
+
+
+@dataclass
+class CheckResult:
+    """What one check decided, plus the statistics worth writing as scalars."""
+
+    step: int
+    alarms: list[PooledAlarm] = field(default_factory=list)
+    warnings: list[tuple[str, Optional[int]]] = field(default_factory=list)
+    """(family, layer or None for the family test) above the warning level."""
+    statistics: dict[str, float] = field(default_factory=dict)
+    """``"<family>/cusum/layer_L"``, ``"<family>/residual/layer_L"``, ``"<family>/cusum"``."""
+
+
+@dataclass
+class _Cusum:
+    value: float = 0.0
+    last_zero_step: Optional[int] = None
+
+    def update(self, u: float, reference: float, step: int, previous_step: Optional[int]) -> None:
+        if self.value <= 0.0:
+            self.last_zero_step = previous_step
+        self.value = max(0.0, self.value + u - reference)
+
+
+class PooledCusumDetector:
+    """See the module docstring. ``thresholds``: family -> :class:`FamilyThresholds`."""
+
+    def __init__(self, thresholds: Mapping[str, FamilyThresholds], config: Optional[SequentialConfig] = None) -> None:
+        self.config = config or default_sequential_config()
+        self.thresholds = dict(thresholds)
+        self._trends: dict[tuple[str, int, str], RobustTrend] = {}
+        self._limit_runs: dict[tuple[str, int, str], int] = {}
+        self._layer_cusums: dict[tuple[str, int], _Cusum] = {}
+        self._family_cusums: dict[str, _Cusum] = {}
+        self._last_step: Optional[int] = None
+        self.first_alarm_steps: dict[str, int] = {}
+        """Family -> step of its first alarm (any level)."""
+
+    # ---------------------------------------------------------------- public
+    def update(self, step: int, observations: Iterable[Observation]) -> CheckResult:
+        """Judge one check; every observation of the check must be passed in one call."""
+        result = CheckResult(step)
+        by_family: dict[str, list[Observation]] = {}
+        for obs in observations:
+            if obs.family not in FAMILY_DIRECTIONS:
+                raise ValueError(f"unknown detector family {obs.family!r}; known: {sorted(FAMILY_DIRECTIONS)}.")
+            if obs.family not in self.thresholds:
+                raise ValueError(f"no thresholds for detector family {obs.family!r}.")
+            by_family.setdefault(obs.family, []).append(obs)
+        for family in sorted(by_family):
+            self._update_family(step, family, by_family[family], result)
+        for alarm in result.alarms:
+            self.first_alarm_steps.setdefault(alarm.family, step)
+        self._last_step = step
+        return result
+
+    # ---------------------------------------------------------------- internals
+    def _trend(self, key: tuple[str, int, str]) -> RobustTrend:
+        trend = self._trends.get(key)
+        if trend is None:
+            trend = RobustTrend(self.config.trend_of(key[0]), FAMILY_DIRECTIONS[key[0]])
+            self._trends[key] = trend
+        return trend
+
+    def _update_family(self, step: int, family: str, observations: list[Observation], result: CheckResult) -> None:
+        cfg = self.config
+        levels = self.thresholds[family]
+        layers: dict[int, list[Observation]] = {}
+        for obs in observations:
+            layers.setdefault(obs.layer, []).append(obs)
+        layer_u: dict[int, float] = {}
+        residuals: dict[int, dict[str, float]] = {}
+        to_accept: list[tuple[tuple[str, int, str], float]] = []
+        restart_layers: set[int] = set()
+        for layer in sorted(layers):
+            zs: dict[str, float] = {}
+            for obs in sorted(layers[layer], key=lambda o: o.member):
+                key = (family, layer, obs.member)
+                trend = self._trend(key)
+                if not math.isfinite(obs.value):
+                    result.alarms.append(PooledAlarm(
+                        step=step, family=family, level="layer", kind="nonfinite", layers=(layer,),
+                        members=(obs.member,), statistic=math.nan, threshold=math.nan, change_step=None,
+                        reason=f"non-finite {family} value in layer {layer} {obs.member}".strip(),
+                    ))
+                    restart_layers.add(layer)
+                    continue
+                prediction = trend.predict()
+                if prediction is None:
+                    if obs.limit is not None and self._beyond(family, obs.value, obs.limit):
+                        run = self._limit_runs.get(key, 0) + 1
+                        self._limit_runs[key] = run
+                        if run == cfg.limit_patience:
+                            result.alarms.append(PooledAlarm(
+                                step=step, family=family, level="layer", kind="limit", layers=(layer,),
+                                members=(obs.member,), statistic=obs.value, threshold=obs.limit,
+                                change_step=None, reason=obs.limit_reason,
+                            ))
+                        continue
+                    self._limit_runs[key] = 0
+                    to_accept.append((key, obs.value))
+                    continue
+                self._limit_runs[key] = 0
+                z = max(-cfg.clip, min(cfg.clip, trend.residual(obs.value, prediction)))
+                zs[obs.member] = z
+                to_accept.append((key, obs.value))
+            residuals[layer] = zs
+            if zs:
+                layer_u[layer] = trimmed_mean(zs.values(), cfg.trim)
+        # Layer CUSUMs.
+        for layer, u in layer_u.items():
+            cusum = self._layer_cusums.setdefault((family, layer), _Cusum())
+            cusum.update(u, cfg.reference, step, self._last_step)
+            result.statistics[f"{family}/residual/layer_{layer}"] = u
+            result.statistics[f"{family}/cusum/layer_{layer}"] = cusum.value
+            if cusum.value > levels.layer.alarm:
+                result.alarms.append(PooledAlarm(
+                    step=step, family=family, level="layer", kind="cusum", layers=(layer,),
+                    members=self._carriers(residuals[layer]), statistic=cusum.value,
+                    threshold=levels.layer.alarm, change_step=cusum.last_zero_step,
+                ))
+                restart_layers.add(layer)
+            elif cusum.value > levels.layer.warning:
+                result.warnings.append((family, layer))
+        # Family CUSUM (only when there is more than one layer to pool).
+        restart_family = False
+        family_cusum = None
+        if len(layer_u) > 1:
+            family_cusum = self._family_cusums.setdefault(family, _Cusum())
+            family_cusum.update(trimmed_mean(layer_u.values(), cfg.trim), cfg.reference, step, self._last_step)
+            result.statistics[f"{family}/cusum"] = family_cusum.value
+            if family_cusum.value > levels.family.alarm:
+                carriers = sorted(layer_u, key=lambda L: (-layer_u[L], L))
+                named = tuple(L for L in carriers if layer_u[L] >= cfg.name_members_above) or tuple(carriers[:1])
+                result.alarms.append(PooledAlarm(
+                    step=step, family=family, level="family", kind="cusum", layers=named,
+                    members=self._carriers(residuals[named[0]]), statistic=family_cusum.value,
+                    threshold=levels.family.alarm, change_step=family_cusum.last_zero_step,
+                ))
+                restart_family = True
+            elif family_cusum.value > levels.family.warning:
+                result.warnings.append((family, None))
+        family_suspect = family_cusum is not None and family_cusum.value > levels.family.warning
+        # Baselines: absorb the values of layers that are not suspected of a shift.
+        for key, value in to_accept:
+            layer_cusum = self._layer_cusums.get((family, key[1]))
+            suspect = family_suspect or (layer_cusum is not None and layer_cusum.value > levels.layer.warning)
+            if not suspect or not self._trend(key).ready:
+                self._trend(key).accept(value)
+        if restart_family:
+            restart_layers.update(layers)
+            self._family_cusums[family] = _Cusum()
+        for layer in restart_layers:
+            self._layer_cusums[(family, layer)] = _Cusum()
+            for key, trend in self._trends.items():
+                if key[0] == family and key[1] == layer:
+                    trend.reset()
+
+    def _carriers(self, zs: Mapping[str, float]) -> tuple[str, ...]:
+        ranked = sorted(zs, key=lambda m: (-zs[m], m))
+        named = tuple(m for m in ranked if zs[m] >= self.config.name_members_above)
+        return named or tuple(ranked[:1])
+
+    @staticmethod
+    def _beyond(family: str, value: float, limit: float) -> bool:
+        return value < limit if FAMILY_DIRECTIONS[family] == "drop" else value > limit
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state (thresholds and config are not saved: they come from flags)."""
+        return {
+            "version": POOLED_STATE_VERSION,
+            "last_step": self._last_step,
+            "trends": [[*key, t.state_dict()["values"]] for key, t in sorted(self._trends.items())],
+            "limit_runs": [[*key, run] for key, run in sorted(self._limit_runs.items())],
+            "layer_cusums": [[f, L, c.value, c.last_zero_step] for (f, L), c in sorted(self._layer_cusums.items())],
+            "family_cusums": [[f, c.value, c.last_zero_step] for f, c in sorted(self._family_cusums.items())],
+            "first_alarm_steps": dict(sorted(self.first_alarm_steps.items())),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("version") != POOLED_STATE_VERSION:
+            raise ValueError(
+                f"pooled detector state version {state.get('version')!r} is not {POOLED_STATE_VERSION}; "
+                "it was written by an incompatible mechmon-megatron."
+            )
+        trends: dict[tuple[str, int, str], RobustTrend] = {}
+        for family, layer, member, values in state["trends"]:
+            trend = RobustTrend(self.config.trend_of(family), FAMILY_DIRECTIONS[family])
+            trend.load_state_dict({"values": values})
+            trends[(family, int(layer), member)] = trend
+        self._trends = trends
+        self._limit_runs = {(f, int(L), m): int(r) for f, L, m, r in state["limit_runs"]}
+        self._layer_cusums = {(f, int(L)): _Cusum(float(v), z) for f, L, v, z in state["layer_cusums"]}
+        self._family_cusums = {f: _Cusum(float(v), z) for f, v, z in state["family_cusums"]}
+        self._last_step = state["last_step"]
+        self.first_alarm_steps = {k: int(v) for k, v in state["first_alarm_steps"].items()}
+
+
