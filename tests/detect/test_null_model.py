@@ -1,0 +1,93 @@
+"""Null-tail fit and the thresholds set from one false-alarm rate."""
+
+import math
+import random
+
+import pytest
+
+from mechmon_megatron.detect.null_model import (
+    JobShape,
+    NullTail,
+    TailTable,
+    fit_null_tail,
+    load_tail_table,
+    thresholds_for_job,
+)
+
+
+def test_exponential_samples_give_their_rate():
+    rng = random.Random(1)
+    tail = fit_null_tail([rng.expovariate(2.0) for _ in range(20000)], tail_quantile=0.9)
+    assert tail.theta_hat == pytest.approx(2.0, rel=0.08)
+    assert tail.theta < tail.theta_hat  # lower confidence bound
+    assert tail.log_p_u0 == pytest.approx(math.log(0.1), abs=0.02)
+
+
+def test_cusum_of_gaussian_increments_has_the_lundberg_tail():
+    """S = max(0, S + x - k), x ~ N(0, 1): P(S > h) decays as exp(-2 k h) (Cramer-Lundberg)."""
+    rng = random.Random(2)
+    k, s, values = 1.0, 0.0, []
+    for _ in range(300000):
+        s = max(0.0, s + rng.gauss(0.0, 1.0) - k)
+        values.append(s)
+    tail = fit_null_tail(values, tail_quantile=0.99)
+    assert tail.theta_hat == pytest.approx(2 * k, rel=0.15)
+
+
+def test_too_few_exceedances_is_an_error():
+    with pytest.raises(ValueError, match="longer healthy runs"):
+        fit_null_tail([0.0] * 1000 + [1.0, 2.0])
+
+
+def test_threshold_inverts_the_tail():
+    tail = NullTail(u0=1.0, log_p_u0=math.log(0.05), theta=0.5, theta_hat=0.6, samples=1000, exceedances=50)
+    h = tail.threshold(1e-8)
+    assert h == pytest.approx(1.0 + (math.log(0.05) - math.log(1e-8)) / 0.5)
+    assert math.exp(tail.log_survival(h)) == pytest.approx(1e-8)
+    assert tail.threshold(0.5) == 1.0  # never below u0
+
+
+def _table(theta=1.0):
+    t = NullTail(u0=0.0, log_p_u0=math.log(0.1), theta=theta, theta_hat=theta, samples=100, exceedances=10)
+    fams = {f: {"layer": t, "family": t} for f in ("attn_delta2", "attn_dw", "router_entropy", "router_weights")}
+    return TailTable(tails={1: fams, 5: {f: {"layer": NullTail(0.0, math.log(0.1), theta / 5, theta / 5, 100, 10)}
+                                         for f in fams}})
+
+
+def test_union_bound_over_tests_and_checks():
+    shape = JobShape(layers={"attn_delta2": 4, "attn_dw": 4, "router_entropy": 4, "router_weights": 1}, interval=20)
+    assert shape.num_tests() == 5 + 5 + 5 + 1
+    thresholds, account = thresholds_for_job(shape, rate_per_million=0.01, table=_table())
+    p = 0.01 / (16 * 50000)
+    assert account["per_test_check_probability"] == pytest.approx(p)
+    assert thresholds["attn_delta2"].layer.alarm == pytest.approx(math.log(0.1) - math.log(p))
+    assert thresholds["attn_delta2"].layer.warning < thresholds["attn_delta2"].layer.alarm
+    # expected false alarms under the fitted tails = the rate asked for
+    expected = sum(
+        shape.checks_per_million() * math.exp(_table().tails[1][f]["layer"].log_survival(getattr(thresholds[f], lv).alarm))
+        for f, n in shape.layers.items() for lv in (["layer"] * n + (["family"] if n > 1 else []))
+    )
+    assert expected == pytest.approx(0.01, rel=1e-6)
+
+
+def test_overlap_lookup_is_conservative_and_extrapolation_is_noted():
+    table = _table()
+    tail, note = table.tail(3, "attn_dw", "layer")
+    assert tail.theta == pytest.approx(0.2) and "overlap 5" in note
+    tail, note = table.tail(10, "attn_dw", "family")  # family falls back to layer at overlap 5
+    assert tail.theta == pytest.approx(0.1) and "extrapolation" in note
+    assert table.tail(1, "attn_dw", "layer") == (table.tails[1]["attn_dw"]["layer"], "")
+
+
+def test_bad_rate_names_the_flag():
+    with pytest.raises(ValueError, match="--mechmon-false-alarm-rate"):
+        thresholds_for_job(JobShape(layers={"attn_dw": 2}, interval=100), rate_per_million=0.0, table=_table())
+
+
+def test_table_round_trip_and_shipped_table_loads():
+    table = _table()
+    assert TailTable.from_dict(table.to_dict()).tails == table.tails
+    shipped = load_tail_table()
+    assert {1, 5} <= set(shipped.tails)
+    for overlap in shipped.tails.values():
+        assert set(overlap) == {"attn_delta2", "attn_dw", "router_entropy", "router_weights"}
