@@ -56,3 +56,19 @@ def load_campaign(out_dir: str, runs: Optional[list[CampaignRun]] = None) -> dic
         metrics, checks = joined_rows(out_dir, run)
         out[run.run_id] = CampaignRecord(run=run, data=RunData.from_rows(metrics, checks), status=read_status(directory))
     return out
+
+
+def scalars_path(path: str) -> str:
+    """``path/mechmon/mechmon_scalars.jsonl`` for a run directory, or ``path`` itself."""
+    candidate = os.path.join(path, MECHMON_DIR, SCALARS_FILE) if os.path.isdir(path) else path
+    if not os.path.isfile(candidate):
+        raise FileNotFoundError(f"{path}: no {MECHMON_DIR}/{SCALARS_FILE} (expected a run directory or the file itself)")
+    return candidate
+
+
+def load_checks(path: str) -> list[tuple[int, dict[str, float]]]:
+    """The recorded checks of one run, sorted by step; FileNotFoundError / ValueError name the path."""
+    rows = read_jsonl(scalars_path(path))
+    if not rows:
+        raise ValueError(f"{path}: no checks recorded")
+    return RunData.from_rows([], rows).checks

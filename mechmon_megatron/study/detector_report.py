@@ -34,7 +34,7 @@ from mechmon_megatron.study.analysis import CollapseRule, DivergenceRule
 from mechmon_megatron.study.campaign_data import CampaignRecord, load_campaign
 from mechmon_megatron.study.pooled_replay import (
     FAMILIES,
-    fit_tail_table,
+    calibrate_on_runs,
     replay_pooled,
     subsample,
     thresholds_at_rate,
@@ -80,9 +80,8 @@ def calibrate(records: Mapping[str, CampaignRecord], calibration: Sequence[str] 
     if missing:
         raise ValueError(f"calibration runs {missing} are missing from the campaign")
     series = [records[r].data.checks for r in calibration]
-    every = DELTA // INTERVAL
-    table, log = fit_tail_table(
-        {every: (INTERVAL, series), 1: (INTERVAL * every, [subsample(c, INTERVAL, every) for c in series])},
+    table, log = calibrate_on_runs(
+        series, INTERVAL, DELTA,
         source=f"healthy runs {', '.join(calibration)} of tools/detector_study.py (interval {INTERVAL}, delta {DELTA})",
     )
     return table, log

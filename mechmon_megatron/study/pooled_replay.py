@@ -123,6 +123,20 @@ def fit_tail_table(overlaps: Mapping[int, tuple[int, Sequence[Checks]]], source:
     return TailTable(tails=tails, source=source), log
 
 
+def calibrate_on_runs(series: Sequence[Checks], interval: int, delta: int, source: str = ""
+                      ) -> tuple[TailTable, dict[str, Any]]:
+    """Null tails of healthy runs recorded every ``interval`` steps over ``delta``-step windows: at
+    their own overlap ``ceil(delta / interval)`` and, when ``delta`` is a multiple of ``interval``,
+    at overlap 1 (every ``delta / interval``-th check: the schedule ``interval = delta``)."""
+    if interval < 1 or delta < 1:
+        raise ValueError(f"interval and delta must be >= 1, got {interval}, {delta}.")
+    native = math.ceil(delta / interval)
+    overlaps: dict[int, tuple[int, Sequence[Checks]]] = {native: (interval, series)}
+    if native > 1 and delta % interval == 0:
+        overlaps[1] = (delta, [subsample(c, interval, native) for c in series])
+    return fit_tail_table(overlaps, source=source)
+
+
 def proxy_shape(checks: Checks, interval: int, overlap: int) -> JobShape:
     """The job shape of a recorded run: layers per family seen in its scalars."""
     layers: dict[str, set[int]] = {f: set() for f in FAMILIES}
