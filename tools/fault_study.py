@@ -14,11 +14,9 @@ import logging
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repository root
-
-from mechmon_megatron.study.report import markdown_report, markdown_sensitivity  # noqa: E402
-from mechmon_megatron.study.scenarios import PRESETS, SCENARIO_NAMES, get_preset, get_scenario, with_overrides  # noqa: E402
-from mechmon_megatron.study.study import StudyOptions, analyze_study, run_study, sensitivity  # noqa: E402
+from mechmon_megatron.research.study.report import markdown_report, markdown_sensitivity
+from mechmon_megatron.research.study.scenarios import PRESETS, SCENARIO_NAMES, get_preset, get_scenario, with_overrides
+from mechmon_megatron.research.study.study import StudyOptions, analyze_study, run_study, sensitivity
 
 
 def _ints(text: str) -> tuple[int, ...]:

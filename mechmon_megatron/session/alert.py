@@ -10,9 +10,13 @@ from typing import Optional
 ALERT_FILENAME = "mechmon_alert.json"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Alert:
-    """One alarm, attributed to a monitor family, a global layer and (for attention) a head."""
+    """One alarm, attributed to a monitor family, a global layer and (for attention) a head.
+
+    Built with keywords only (ten fields). ``layer`` is the global 1-based layer number (None
+    for job-wide alarms such as a drill), ``first_warning_step`` the first check of the episode.
+    """
 
     iteration: int
     family: str

@@ -28,16 +28,10 @@ import torch
 from mechmon_megatron.detect import DetectorBank, DetectorConfig, default_detector_configs
 from mechmon_megatron.session import names
 from mechmon_megatron.session.alert import Alert, AlertReport
-from mechmon_megatron.session.attention_check import (
-    CheckOutput,
-    check_full,
-    check_heads,
-    merge_partials,
-    snapshot_full,
-    snapshot_heads,
-)
+from mechmon_megatron.session.attention_check import check_full, check_heads, snapshot_full, snapshot_heads
 from mechmon_megatron.session.config import MechmonConfig
 from mechmon_megatron.session.host import AttentionSite, Communicator, LocalCommunicator, RouterSite
+from mechmon_megatron.session.records import CheckOutput, merge_partials
 from mechmon_megatron.session.router_check import empty_vector, local_router_vector, router_output
 from mechmon_megatron.session.writers import ScalarWriter, WriterGroup
 
@@ -256,7 +250,7 @@ class MonitoringSession:
         payload = {
             "scalars": [o.scalars for o in outputs],
             "streams": [s for o in outputs for s in o.streams],
-            "nonfinite": [msg for o in outputs for msg in o.nonfinite],
+            "nonfinite": [report for o in outputs for report in o.nonfinite],
             "errors": self.errors,
             # Session time since the previous check: snapshots in between plus this check so far.
             "overhead_s": self._overhead_s + (time.perf_counter() - self._step_start),
@@ -288,8 +282,21 @@ class MonitoringSession:
         alerts: list[Alert] = [_drill_alert(iteration)] if drill else []
         warnings = 0
         for payload in gathered:
-            for message in payload["nonfinite"]:
-                alerts.append(Alert(iteration, "nonfinite", "weights", _layer_of(message), None, float("nan"), None, None, iteration, message))
+            for report in payload["nonfinite"]:
+                alerts.append(
+                    Alert(
+                        iteration=iteration,
+                        family="nonfinite",
+                        stream="weights",
+                        layer=report.layer_number,
+                        head=None,
+                        value=float("nan"),
+                        baseline=None,
+                        threshold=None,
+                        first_warning_step=iteration,
+                        reason=report.message,
+                    )
+                )
             for stream in payload["streams"]:
                 event = self.detectors.update(
                     stream.name, iteration, stream.value, family=stream.family, limit=stream.limit
@@ -299,16 +306,16 @@ class MonitoringSession:
                 elif event.fired:  # the first check of an alarm episode; re-arm gates the next
                     alerts.append(
                         Alert(
-                            iteration,
-                            stream.family,
-                            stream.name,
-                            stream.layer_number,
-                            stream.head,
-                            stream.value,
-                            _finite_or_none(event.baseline),
-                            _finite_or_none(event.threshold),
-                            event.first_warning_step,
-                            stream.limit_reason if event.beyond_limit else
+                            iteration=iteration,
+                            family=stream.family,
+                            stream=stream.name,
+                            layer=stream.layer_number,
+                            head=stream.head,
+                            value=stream.value,
+                            baseline=_finite_or_none(event.baseline),
+                            threshold=_finite_or_none(event.threshold),
+                            first_warning_step=event.first_warning_step,
+                            reason=stream.limit_reason if event.beyond_limit else
                             "spectral collapse / routing collapse relative to this run's own baseline",
                         )
                     )
@@ -336,15 +343,19 @@ class MonitoringSession:
 
 
 def _drill_alert(iteration: int) -> Alert:
-    return Alert(iteration, "drill", "drill", None, None, 0.0, None, None, iteration, "rehearsal requested by --mechmon-drill-at")
+    return Alert(
+        iteration=iteration,
+        family="drill",
+        stream="drill",
+        layer=None,
+        head=None,
+        value=0.0,
+        baseline=None,
+        threshold=None,
+        first_warning_step=iteration,
+        reason="rehearsal requested by --mechmon-drill-at",
+    )
 
 
 def _finite_or_none(x: float) -> Optional[float]:
     return x if math.isfinite(x) else None
-
-
-def _layer_of(message: str) -> Optional[int]:
-    try:
-        return int(message.split(":")[0].split()[-1])
-    except (ValueError, IndexError):
-        return None

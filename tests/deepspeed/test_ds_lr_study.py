@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from tests.mcore._torchrun import REPO_ROOT
+from tests.megatron_core._torchrun import REPO_ROOT
 
 TOOL = REPO_ROOT / "tools" / "deepspeed_lr_study.py"
 

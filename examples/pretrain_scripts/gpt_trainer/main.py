@@ -38,7 +38,7 @@ def main(argv: Optional[Sequence[str]] = None,
     logging.getLogger("megatron").setLevel(logging.WARNING)  # it logs every parameter name
     args = parse_args(argv, extra_args_providers)
 
-    from mechmon_megatron.compat.cpu_megatron import enable_cpu_compat
+    from mechmon_megatron.testing.cpu_megatron import enable_cpu_compat
 
     enable_cpu_compat()  # no-op with CUDA
 

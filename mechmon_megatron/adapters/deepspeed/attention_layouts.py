@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from mechmon_megatron.adapters.mcore.qkv_layout import split_qk
+from mechmon_megatron.session.qkv_layout import split_qk
 
 logger = logging.getLogger(__name__)
 
