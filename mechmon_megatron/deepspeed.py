@@ -12,4 +12,11 @@ from mechmon_megatron.adapters.deepspeed import (
     parse_section,
 )
 
-__all__ = ["attach", "MechmonDeepSpeed", "config_from_ds_config", "parse_section", "CLIENT_STATE_KEY", "CLIENT_ALERT_KEY"]
+__all__ = [
+    "attach",
+    "MechmonDeepSpeed",
+    "config_from_ds_config",
+    "parse_section",
+    "CLIENT_STATE_KEY",
+    "CLIENT_ALERT_KEY",
+]

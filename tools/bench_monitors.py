@@ -28,10 +28,8 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
 

@@ -18,7 +18,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import tempfile
 
 DEMO_MODEL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
@@ -29,7 +28,6 @@ DEMO_MODEL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-head
 def _train_seconds(trainer_args: list[str], metrics_path: str) -> float:
     """Run one training in this process; return its loop wall time in seconds."""
     from gpt_trainer import main
-
     from mechmon_megatron.adapters.megatron_core import MechmonCallback
     from mechmon_megatron.cli.args import add_mechmon_args, config_from_args
 
@@ -68,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
                 total = _train_seconds([*base, *extra], os.path.join(tmp, f"{arm}{r}.jsonl"))
                 results[arm].append(total)
                 if arm == "on":
-                    rows = [json.loads(l) for l in open(os.path.join(log_dir, "mechmon_scalars.jsonl"))]
+                    rows = [json.loads(line) for line in open(os.path.join(log_dir, "mechmon_scalars.jsonl"))]
                     session_ms.append(sum(row["scalars"].get("mechmon/overhead_ms", 0.0) for row in rows))
     import torch
 

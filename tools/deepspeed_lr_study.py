@@ -134,7 +134,10 @@ def plot(out: str, specs: list[RunSpec], results: list[dict[str, Any]]) -> str:
     floor: Optional[float] = None
     for spec, r in zip(specs, results):
         data = load_run(out, spec)
-        run = {"router_entropy_alarm": r["first_alarm"]["router_entropy"], "expert_collapse_step": r["expert_collapse_step"]}
+        run = {
+            "router_entropy_alarm": r["first_alarm"]["router_entropy"],
+            "expert_collapse_step": r["expert_collapse_step"],
+        }
         panels.setdefault(f"seed {spec.seed}", []).append((f"LR {r['lr']:g}", data, run))
         floors = [v for _, sc in data.checks for k, v in sc.items() if "/token_entropy_floor/" in k]
         floor = math.exp(floors[0]) if floors and floor is None else floor
@@ -147,18 +150,28 @@ def analyze(out: str, specs: list[RunSpec]) -> list[dict[str, Any]]:
         data = load_run(out, spec)
         run = analyze_run(data, fault_onset=spec.fault_onset)
         tail = data.loss[-50:]
-        results.append({
-            "run": spec.run_id, "lr": float(spec.flags[1]), "seed": spec.seed, "fault": spec.fault_onset is not None,
-            "steps_recorded": run["steps_recorded"], "num_checks": run["num_checks"],
-            "final_loss_ma50": math.fsum(tail) / len(tail) if tail else None,
-            "divergence_step": run["divergence_step"],
-            "expert_collapse_step": run["expert_collapse_step"],
-            "online_first_alarm": run["online_first_alarm"],
-            "first_alarm": {k: run["first_alarm"][k] for k in ("router_entropy", "router_weights", "attn_delta2", "attn_dw")},
-            "first_alarm_stream": run["first_alarm_stream"],
-            "router_entropy_alarm_without_floor": replay_mechmon(without_floor(data), DEFAULT_DETECTOR)["first_alarm"]["router_entropy"],
-            **entropy_profile(data),
-        })
+        results.append(
+            {
+                "run": spec.run_id,
+                "lr": float(spec.flags[1]),
+                "seed": spec.seed,
+                "fault": spec.fault_onset is not None,
+                "steps_recorded": run["steps_recorded"],
+                "num_checks": run["num_checks"],
+                "final_loss_ma50": math.fsum(tail) / len(tail) if tail else None,
+                "divergence_step": run["divergence_step"],
+                "expert_collapse_step": run["expert_collapse_step"],
+                "online_first_alarm": run["online_first_alarm"],
+                "first_alarm": {
+                    k: run["first_alarm"][k] for k in ("router_entropy", "router_weights", "attn_delta2", "attn_dw")
+                },
+                "first_alarm_stream": run["first_alarm_stream"],
+                "router_entropy_alarm_without_floor": replay_mechmon(without_floor(data), DEFAULT_DETECTOR)[
+                    "first_alarm"
+                ]["router_entropy"],
+                **entropy_profile(data),
+            }
+        )
     return results
 
 
@@ -186,8 +199,12 @@ def markdown(results: list[dict[str, Any]]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lrs", default="2e-3,8e-3,3e-2,1e-1", help="Peak LRs, comma-separated; the first is the healthy control.")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--lrs", default="2e-3,8e-3,3e-2,1e-1", help="Peak LRs, comma-separated; the first is the healthy control."
+    )
     p.add_argument("--seeds", default="1", help="Seeds, comma-separated.")
     p.add_argument("--train-iters", type=int, default=1500)
     p.add_argument("--interval", type=int, default=20, help="mechmon check interval (steps).")

@@ -15,11 +15,11 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout: demo_out/ goes there
-
 from mechmon_megatron.research.study.report import markdown_report
 from mechmon_megatron.research.study.scenarios import get_preset
 from mechmon_megatron.research.study.study import StudyOptions, run_study
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout: demo_out/ goes there
 
 
 def main(argv=None) -> int:

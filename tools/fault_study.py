@@ -29,7 +29,9 @@ def _ints(text: str) -> tuple[int, ...]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="full", choices=sorted(PRESETS), help="Model size, run length, fault settings.")
-    p.add_argument("--scenarios", default=None, help=f"Comma-separated from {list(SCENARIO_NAMES)} (default: the preset's).")
+    p.add_argument(
+        "--scenarios", default=None, help=f"Comma-separated from {list(SCENARIO_NAMES)} (default: the preset's)."
+    )
     p.add_argument("--seeds", type=_ints, default=None, help="Comma-separated seeds (default: the preset's).")
     p.add_argument("--train-iters", type=int, default=None, help="Steps per run (default: the preset's).")
     p.add_argument("--fa-onset", type=int, default=None, help="Override the fa fault onset step.")

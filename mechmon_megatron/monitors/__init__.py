@@ -21,7 +21,11 @@ from mechmon_megatron.monitors.router import (
     summarize_routing,
 )
 from mechmon_megatron.monitors.spectral import spectral_stats
-from mechmon_megatron.monitors.update_spectrum import per_head_update_singular_values, tail_energy, update_singular_values
+from mechmon_megatron.monitors.update_spectrum import (
+    per_head_update_singular_values,
+    tail_energy,
+    update_singular_values,
+)
 
 __all__ = [
     "RouterEntropySummary",

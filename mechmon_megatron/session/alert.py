@@ -40,7 +40,8 @@ class Alert:
             detail += ", no baseline yet (detector warm-up)"
         if self.threshold is not None:
             detail += f", threshold {self.threshold:.6g}"
-        return f"[mechmon] ALARM at iteration {self.iteration}: {self.family} {where} ({self.stream}): {detail}. {self.reason}".strip()
+        head = f"[mechmon] ALARM at iteration {self.iteration}: {self.family} {where} ({self.stream})"
+        return f"{head}: {detail}. {self.reason}".strip()
 
 
 @dataclass

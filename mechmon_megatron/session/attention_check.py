@@ -68,7 +68,9 @@ def check_heads(
     scalars: dict[str, Partial] = {
         names.attn("delta2_entropy", layer_number): Partial("mean", float(d2["entropy"].sum()), n_heads),
         names.attn("delta2_entropy_min", layer_number): Partial("min", float(d2["entropy"].min())),
-        names.attn("delta2_norm_entropy", layer_number): Partial("mean", float(d2["normalized_entropy"].sum()), n_heads),
+        names.attn("delta2_norm_entropy", layer_number): Partial(
+            "mean", float(d2["normalized_entropy"].sum()), n_heads
+        ),
         names.attn("delta2_eff_rank", layer_number): Partial("mean", float(d2["effective_rank"].sum()), n_heads),
         names.attn("delta1_entropy", layer_number): Partial("mean", float(stats["delta1"]["entropy"].sum()), n_heads),
         names.attn("delta3_entropy", layer_number): Partial("mean", float(stats["delta3"]["entropy"].sum()), n_heads),

@@ -13,7 +13,9 @@ from __future__ import annotations
 import torch
 
 
-def qkv_row_indices(num_heads: int, num_groups: int, head_dim: int, output_gate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def qkv_row_indices(
+    num_heads: int, num_groups: int, head_dim: int, output_gate: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Row indices of each query head and each key group in the fused QKV weight.
 
     Returns ``q_rows`` ``[num_heads, head_dim]`` and ``k_rows`` ``[num_groups, head_dim]`` (int64),
@@ -32,8 +34,11 @@ def qkv_row_indices(num_heads: int, num_groups: int, head_dim: int, output_gate:
     return q_rows, k_rows
 
 
-def split_qk(weight: torch.Tensor, num_heads: int, num_groups: int, head_dim: int, output_gate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight`` ``[rows, hidden]`` -> ``wq`` ``[num_heads, head_dim, hidden]``, ``wk`` ``[num_groups, head_dim, hidden]``."""
+def split_qk(
+    weight: torch.Tensor, num_heads: int, num_groups: int, head_dim: int, output_gate: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` ``[rows, hidden]`` -> ``wq`` ``[num_heads, head_dim, hidden]`` and
+    ``wk`` ``[num_groups, head_dim, hidden]``."""
     q_rows, k_rows = qkv_row_indices(num_heads, num_groups, head_dim, output_gate)
     expected = num_groups * ((2 if output_gate else 1) * (num_heads // num_groups) + 2) * head_dim
     if weight.shape[0] != expected:

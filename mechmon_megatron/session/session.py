@@ -180,7 +180,9 @@ class MonitoringSession:
         if not self.enabled or not state:
             return
         if state.get("version") != STATE_VERSION:
-            raise ValueError(f"mechmon state version {state.get('version')} is not supported (expected {STATE_VERSION})")
+            raise ValueError(
+                f"mechmon state version {state.get('version')} is not supported (expected {STATE_VERSION})"
+            )
         self.detectors.load_state_dict(state["detectors"])
         self.checkpoints = list(state.get("checkpoints", []))
         self.errors = int(state.get("errors", 0))
@@ -234,17 +236,28 @@ class MonitoringSession:
         for index, site in enumerate(sites):
             full = site.read_full()  # collectives first, unconditionally, in site order
             heads = site.read_heads()
+            assert snapshot is not None  # `sites` is empty without a snapshot
             prev_heads, prev_full = snapshot[index]
             if heads is not None and prev_heads is not None:
-                outputs.append(self._guard(check_heads, site.layer_number, prev_heads, heads, cfg.alpha, cfg.qk_method, cfg.per_head_scalars))
+                outputs.append(
+                    self._guard(
+                        check_heads,
+                        site.layer_number,
+                        prev_heads,
+                        heads,
+                        cfg.alpha,
+                        cfg.qk_method,
+                        cfg.per_head_scalars,
+                    )
+                )
             if full is not None and prev_full is not None:
                 outputs.append(self._guard(check_full, site.layer_number, prev_full, full, cfg.alpha))
-        for site, floor in zip(self.router_sites, self._router_floors):
-            local = self._guard(local_router_vector, site, cfg.router_entropy_bins)
-            site.captured_logits.clear()
+        for router, floor in zip(self.router_sites, self._router_floors):
+            local = self._guard(local_router_vector, router, cfg.router_entropy_bins)
+            router.captured_logits.clear()
             # The all-reduce runs on every rank even if this rank's summary failed.
-            flat = site.reduce_sum(local if local is not None else empty_vector(site, cfg.router_entropy_bins))
-            outputs.append(self._guard(router_output, site, flat, cfg.router_entropy_bins, floor))
+            flat = router.reduce_sum(local if local is not None else empty_vector(router, cfg.router_entropy_bins))
+            outputs.append(self._guard(router_output, router, flat, cfg.router_entropy_bins, floor))
         outputs = [o for o in outputs if o is not None]
 
         payload = {
@@ -259,6 +272,7 @@ class MonitoringSession:
         flag = _NO_ALARM
         alerts: list[Alert] = []
         if self.comm.is_writer:
+            assert gathered is not None  # the writer receives every rank's payload
             try:
                 alerts = self._decide(iteration, gathered, drill)
             except Exception:  # noqa: BLE001

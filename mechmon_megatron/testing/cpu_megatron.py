@@ -17,9 +17,10 @@ Patches (see ``PATCHES`` for the exact module list):
 1. ``cuda-device-proxy``: modules that call ``torch.cuda.current_device()`` or allocate with the
    literal ``device='cuda'`` (DDP grad buffers, global memory buffer, Router, rotary embedding,
    p2p shape buffers, optimizer scalars, grad-norm scratch tensors, schedules' token counters,
-   TP all-gather buffers, dist_checkpointing's pre-save synchronize and flags) get a proxy ``torch`` whose ``cuda.current_device()`` is ``"cpu"``,
-   whose tensor factories map ``'cuda'`` to ``'cpu'``, and whose ``cuda.synchronize`` is a no-op
-   (batched p2p synchronises after ``batch_isend_irecv``).
+   TP all-gather buffers, dist_checkpointing's pre-save synchronize and flags) get a proxy
+   ``torch`` whose ``cuda.current_device()`` is ``"cpu"``, whose tensor factories map ``'cuda'``
+   to ``'cpu'``, and whose ``cuda.synchronize`` is a no-op (batched p2p synchronises after
+   ``batch_isend_irecv``).
 2. ``cpu-rng-tracker``: ``tensor_parallel.random`` keeps the tensor-parallel RNG states with the
    CUDA generator; on CPU the tracker forks the CPU default generator instead
    (``torch.cuda.{get,set}_rng_state, manual_seed`` -> ``torch.{get,set}_rng_state,

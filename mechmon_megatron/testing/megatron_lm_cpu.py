@@ -38,9 +38,9 @@ PATCHES: tuple[str, ...] = (
     "allow-no-cuda",  # initialize_megatron asserts torch.cuda.is_available()
     "no-fused-kernels",  # fused_kernels.load compiles CUDA extensions
     "training-cuda-proxy",  # torch.cuda.* and device='cuda' in megatron.training modules
-    "prebuilt-dataset-helpers",
+    "prebuilt-dataset-helpers",  # skip `make` of helpers_cpp when an importable build exists
     "get-model-stays-on-cpu",  # get_model calls model_module.cuda(current_device())
-    "batch-stays-on-cpu",  # get_batch_on_this_tp_rank moves the batch with Tensor.cuda()  # skip `make` of helpers_cpp when an importable build exists
+    "batch-stays-on-cpu",  # get_batch_on_this_tp_rank moves the batch with Tensor.cuda()
 )
 
 # megatron.training modules whose ``torch`` global gets the CPU proxy (device='cuda' factories,

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import csv
+import sys
 from pathlib import Path
 from typing import Sequence
-
-import sys
 
 from tests.megatron_core._torchrun import REPO_ROOT, TorchrunResult, _launch, free_port, run_torchrun
 

@@ -24,7 +24,7 @@ class TorchrunResult:
     output: str
     timed_out: bool
 
-    def check(self, expected_returncode: int = 0) -> "TorchrunResult":
+    def check(self, expected_returncode: int = 0) -> TorchrunResult:
         if self.timed_out or self.returncode != expected_returncode:
             tail = self.output[-6000:]
             raise AssertionError(f"process exited with {self.returncode} (timed out: "

@@ -186,6 +186,7 @@ def test_build_indexed_dataset_reads_back_as_byte_stream(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(REPO_ROOT / "examples" / "pretrain_scripts"))
     monkeypatch.syspath_prepend(str(REPO_ROOT / "tools"))
     import build_indexed_dataset
+
     from gpt_trainer.data import EOD, IndexedStream, SampleSchedule
 
     texts = ["alpha beta\n", "", "gamma é\n" * 3]

@@ -70,5 +70,7 @@ def test_router_lr_mult_scales_only_the_router_group(tmp_path):
 def test_router_lr_mult_must_be_positive(tmp_path):
     script = tmp_path / "trainer.py"
     script.write_text(SCRIPT.format(trainer_dir=str(REPO_ROOT / "examples" / "pretrain_scripts")))
-    result = run_python(script, [*TINY_MOE, "--router-lr-mult", "0", "--groups-out", tmp_path / "g.json"], timeout_s=120)
+    result = run_python(
+        script, [*TINY_MOE, "--router-lr-mult", "0", "--groups-out", tmp_path / "g.json"], timeout_s=120
+    )
     assert result.returncode != 0 and "--router-lr-mult must be > 0" in result.output

@@ -137,7 +137,9 @@ def test_resume_restores_detectors_from_load(model_parallel, tmp_path):
     resumed_args = megatron_args(tmp_path, *flags)
     resumed_args.load = args.save
     resumed = mlm.MegatronLMHooks(lambda: resumed_args)
-    resumed.before_step(build()[0], 6)  # fresh chunks (one capture hook per router); Megatron's first train_step after --load at iteration 5
+    resumed.before_step(
+        build()[0], 6
+    )  # fresh chunks (one capture hook per router); Megatron's first train_step after --load at iteration 5
     assert resumed.session.state_dict()["detectors"] == json.loads(json.dumps(saved["detectors"]))
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -44,7 +42,11 @@ def test_row_layout_matches_megatron_split(model_parallel, num_heads, num_groups
     module = attention[0].module
     hidden = torch.randn(5, 3, 32)  # [s, b, h]
     with torch.no_grad():
-        out = module.get_query_key_value_tensors(hidden, output_gate=gate) if gate else module.get_query_key_value_tensors(hidden)
+        out = (
+            module.get_query_key_value_tensors(hidden, output_gate=gate)
+            if gate
+            else module.get_query_key_value_tensors(hidden)
+        )
     query, key = out[0], out[1]  # [s, b, np, hn], [s, b, ng, hn]
     wq, wk = split_qk(module.linear_qkv.weight.detach(), num_heads, num_groups, 8, gate)
     torch.testing.assert_close(torch.einsum("sbh,ndh->sbnd", hidden, wq), query, rtol=1e-5, atol=1e-6)

@@ -10,8 +10,8 @@ Installed with mechmon-megatron as the top-level package ``gpt_trainer`` (setup.
 ``examples/pretrain_scripts/gpt_trainer``), so it runs from a non-editable install too.
 """
 
-from .callbacks import ExitRequest, TrainContext
 from .args import build_parser
+from .callbacks import ExitRequest, TrainContext
 from .main import main
 
 __all__ = ["ExitRequest", "TrainContext", "build_parser", "main"]

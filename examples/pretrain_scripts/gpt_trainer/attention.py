@@ -60,7 +60,9 @@ def prepare_attention(args: argparse.Namespace) -> None:
         try:
             layers = tuple(int(x) for x in args.fa_fault_layers.split(",") if x.strip())
         except ValueError as exc:
-            raise ValueError(f"--fa-fault-layers must be comma-separated integers, got {args.fa_fault_layers!r}") from exc
+            raise ValueError(
+                f"--fa-fault-layers must be comma-separated integers, got {args.fa_fault_layers!r}"
+            ) from exc
     if args.attention_backend == "emulated-lowp-fa":
         args.fa_fault = FaultConfig(strength=args.fa_fault_strength, onset_step=args.fa_fault_onset,
                                     mode=args.fa_fault_mode, layer_numbers=layers)

@@ -14,7 +14,6 @@ import torch
 
 from .args import ArgsProvider, parse_args, validate_args
 
-
 ROUTER_PARAM_PATTERN = "*.router.*"
 """megatron-core's router parameters (``decoder.layers.N.mlp.router.weight``, behind the DDP
 wrapper's ``module.``), matched with ParamKey's shell-style name patterns."""

@@ -34,11 +34,20 @@ def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
 
 
 def _is_self_attention(module: torch.nn.Module) -> bool:
-    return hasattr(module, "linear_qkv") and hasattr(module, "layer_number") and hasattr(module, "num_attention_heads_per_partition")
+    return (
+        hasattr(module, "linear_qkv")
+        and hasattr(module, "layer_number")
+        and hasattr(module, "num_attention_heads_per_partition")
+    )
 
 
 def _is_router(module: torch.nn.Module) -> bool:
-    return hasattr(module, "gating") and hasattr(module, "topk") and isinstance(getattr(module, "weight", None), torch.Tensor) and hasattr(module, "routing")
+    return (
+        hasattr(module, "gating")
+        and hasattr(module, "topk")
+        and isinstance(getattr(module, "weight", None), torch.Tensor)
+        and hasattr(module, "routing")
+    )
 
 
 def find_modules(model_chunks: Iterable[torch.nn.Module]) -> tuple[list[FoundAttention], list[FoundRouter]]:

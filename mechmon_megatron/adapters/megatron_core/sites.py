@@ -13,14 +13,14 @@ Who computes what (so every value is produced exactly once):
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from mechmon_megatron.adapters.megatron_core.discovery import FoundAttention, FoundRouter
-from mechmon_megatron.session.qkv_layout import split_qk
 from mechmon_megatron.session.host import AttentionSite, FullQK, QKWeights, RouterSite
+from mechmon_megatron.session.qkv_layout import split_qk
 
 
 def _group_size(group: Any) -> int:
@@ -101,7 +101,7 @@ def attention_sites(found: list[FoundAttention], tp_group: Any, full_matrix: boo
 
 
 def router_sites(
-    found: list[FoundRouter], reduce_group: Any, reports: bool, capture_enabled: "callable"
+    found: list[FoundRouter], reduce_group: Any, reports: bool, capture_enabled: Callable[[], bool]
 ) -> list[RouterSite]:
     """Router sites plus a capture wrapper around each router's ``gating`` (logits ``[s, b, E]``)."""
     sites = []

@@ -89,7 +89,9 @@ class MegatronLMHooks:
         self.exit_code: Optional[int] = None
 
     # -- lifecycle
-    def ensure_session(self, model_chunks: Sequence[torch.nn.Module], start_iteration: int) -> Optional[MonitoringSession]:
+    def ensure_session(
+        self, model_chunks: Sequence[torch.nn.Module], start_iteration: int
+    ) -> Optional[MonitoringSession]:
         """Build the session once (first train step), restore state saved with ``--load``."""
         if self.session is not None or self.config is not None:
             return self.session
@@ -143,7 +145,11 @@ class MegatronLMHooks:
         config = session.config
         args = self._get_args()
         reads_weights = config.is_check_step(iteration) or config.is_snapshot_step(iteration)
-        if reads_weights and getattr(args, "use_distributed_optimizer", False) and getattr(args, "overlap_param_gather", False):
+        if (
+            reads_weights
+            and getattr(args, "use_distributed_optimizer", False)
+            and getattr(args, "overlap_param_gather", False)
+        ):
             force_param_sync(model_chunks)
         decision = session.on_step_end(iteration)
         if not decision.abort:
@@ -183,5 +189,9 @@ class MegatronLMHooks:
             self.session.close()
 
 
-def _default_builder(config, model_chunks, host_tensorboard=None, tensorboard_dir=None, extra_writers=()) -> MonitoringSession:
-    return build_mcore_session(config, model_chunks, host_tensorboard, tensorboard_dir, writer_rank=-1, extra_writers=extra_writers)
+def _default_builder(
+    config, model_chunks, host_tensorboard=None, tensorboard_dir=None, extra_writers=()
+) -> MonitoringSession:
+    return build_mcore_session(
+        config, model_chunks, host_tensorboard, tensorboard_dir, writer_rank=-1, extra_writers=extra_writers
+    )

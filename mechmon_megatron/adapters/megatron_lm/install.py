@@ -92,7 +92,11 @@ def wrap_training_module(training: Any, hooks: MegatronLMHooks) -> None:
                 hooks.close()
                 raise
             hooks.finish_abort()
-            logger.warning("[mechmon] checkpoint-and-abort at iteration %d: exiting with code %d", hooks.abort_iteration, hooks.exit_code)
+            logger.warning(
+                "[mechmon] checkpoint-and-abort at iteration %d: exiting with code %d",
+                hooks.abort_iteration,
+                hooks.exit_code,
+            )
             raise SystemExit(hooks.exit_code) from None
         hooks.close()
         return result
@@ -129,8 +133,7 @@ def install(training_module: Any = None) -> MegatronLMHooks:
     installed = getattr(training, "_mechmon_hooks", None)
     if installed is not None:
         return installed
-    from megatron.training import get_args
-    from megatron.training import global_vars
+    from megatron.training import get_args, global_vars
 
     hooks = MegatronLMHooks(
         get_args=get_args,
@@ -138,7 +141,9 @@ def install(training_module: Any = None) -> MegatronLMHooks:
         get_wandb_writer=getattr(global_vars, "get_wandb_writer", lambda: None),
     )
     if _has_callback_api():
-        logger.info("[mechmon] megatron.training.callbacks found; using the module-global hooks, which fire at the same points")
+        logger.info(
+            "[mechmon] megatron.training.callbacks found; using the module-global hooks, which fire at the same points"
+        )
     wrap_training_module(training, hooks)
     training._mechmon_hooks = hooks
     return hooks

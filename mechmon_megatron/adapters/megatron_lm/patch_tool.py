@@ -53,7 +53,7 @@ class Hunk:
     def new(self) -> list[str]:
         return [line[1:] for line in self.lines if line[:1] in (" ", "+")]
 
-    def reversed(self) -> "Hunk":
+    def reversed(self) -> Hunk:
         swap = {"+": "-", "-": "+", " ": " "}
         return Hunk(self.old_start, [swap[line[0]] + line[1:] for line in self.lines])
 
@@ -63,7 +63,7 @@ class FilePatch:
     path: str  # relative to the Megatron-LM root
     hunks: list[Hunk]
 
-    def reversed(self) -> "FilePatch":
+    def reversed(self) -> FilePatch:
         return FilePatch(self.path, [h.reversed() for h in self.hunks])
 
 
@@ -304,8 +304,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="mechmon-patch", description="Patch a Megatron-LM checkout for mechmon.")
     parser.add_argument("command", choices=("check", "apply", "revert"))
     parser.add_argument("megatron_lm_dir", help="root of the Megatron-LM checkout (holds pretrain_gpt.py)")
-    parser.add_argument("--release", default=None, help=f"patch set to use instead of detecting it: {sorted(set(RELEASES.values()))}")
-    parser.add_argument("--patches-dir", default=None, help="directory holding the patch sets (default: patches/megatron-lm)")
+    parser.add_argument(
+        "--release", default=None, help=f"patch set to use instead of detecting it: {sorted(set(RELEASES.values()))}"
+    )
+    parser.add_argument(
+        "--patches-dir", default=None, help="directory holding the patch sets (default: patches/megatron-lm)"
+    )
     args = parser.parse_args(argv)
     try:
         if args.command == "check":
@@ -318,7 +322,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"mechmon-patch: refused: {exc}", file=sys.stderr)
         return EXIT_REFUSED
     for path, status in report.status.items():
-        verb = "patched" if path in report.changed and args.command == "apply" else "restored" if path in report.changed else status
+        verb = (
+            "patched"
+            if path in report.changed and args.command == "apply"
+            else "restored"
+            if path in report.changed
+            else status
+        )
         print(f"{path}: {verb} ({report.release})")
     if args.command == "check":
         return {"applied": EXIT_APPLIED, "not applied": EXIT_NOT_APPLIED}.get(report.overall, EXIT_REFUSED)

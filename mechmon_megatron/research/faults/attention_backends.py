@@ -113,7 +113,7 @@ class MechmonCoreAttention(MegatronModule):
         backend: AttentionBackend = "torch",
         fault: Optional[FaultConfig] = None,
         emulation: Optional[EmulatedFAConfig] = None,
-        logit_recorder: Optional["MaxLogitRecorder"] = None,
+        logit_recorder: Optional[MaxLogitRecorder] = None,
     ):
         super().__init__(config=config)
         _check_backend(backend)

@@ -176,7 +176,7 @@ def _fa_forward(
         m = q_i.new_full(q_i.shape[:3], neg_inf)
         m_used = m.clone()
         count = torch.zeros(q_i.shape[:3], dtype=torch.int64, device=q_i.device)
-        l = q_i.new_zeros(q_i.shape[:3])
+        l = q_i.new_zeros(q_i.shape[:3])  # noqa: E741 -- FlashAttention's name for the row sum
         acc = torch.zeros_like(q_i)
         k_end = r1 if causal else n_k
         for c0 in range(0, k_end, cfg.block_k):
@@ -193,7 +193,7 @@ def _fa_forward(
             m_used_new = _shifted_max(m, count, cfg)
             alpha = torch.exp(m_used - m_used_new)  # 0 on the first tile (m_used = -inf)
             p_bar = _p_bar(s, m_used_new)
-            l = l * alpha + p_bar.sum(dim=-1)
+            l = l * alpha + p_bar.sum(dim=-1)  # noqa: E741
             acc = acc * alpha[..., None] + torch.matmul(rnd(p_bar), vb[:, :, c0:c1])
             m_used = m_used_new
         o = acc / l[..., None]

@@ -250,7 +250,7 @@ class RunData:
     checks: list[tuple[int, dict[str, float]]] = field(default_factory=list)
 
     @classmethod
-    def from_rows(cls, metrics: Iterable[Mapping[str, Any]], checks: Iterable[Mapping[str, Any]]) -> "RunData":
+    def from_rows(cls, metrics: Iterable[Mapping[str, Any]], checks: Iterable[Mapping[str, Any]]) -> RunData:
         data = cls()
         for row in sorted(metrics, key=lambda r: int(r["iteration"])):
             data.steps.append(int(row["iteration"]))
@@ -262,7 +262,7 @@ class RunData:
         return data
 
     @classmethod
-    def from_files(cls, metrics_path: str, scalars_path: str) -> "RunData":
+    def from_files(cls, metrics_path: str, scalars_path: str) -> RunData:
         return cls.from_rows(read_jsonl(metrics_path), read_jsonl(scalars_path))
 
     def series(self, name: str) -> tuple[list[int], list[float]]:

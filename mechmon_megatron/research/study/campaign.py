@@ -218,7 +218,7 @@ def launch_campaign(runs: Sequence[CampaignRun], out_dir: str, jobs: int = 2, pr
                     bar.update(1)
                 bar.set_postfix_str(f"running {len(active)}: {', '.join(sorted(active))}")
     finally:
-        for run, proc, log, _ in active.values():
+        for _run, proc, log, _ in active.values():
             proc.terminate()
             log.close()
         bar.close()

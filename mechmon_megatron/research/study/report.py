@@ -17,7 +17,13 @@ import math
 import os
 from typing import Any, Optional, Sequence
 
-from mechmon_megatron.research.study.analysis import ALARM_KEYS, ATTN_FAMILIES, MECHMON_FAMILIES, ROUTER_FAMILIES, SYMPTOM_KEYS
+from mechmon_megatron.research.study.analysis import (
+    ALARM_KEYS,
+    ATTN_FAMILIES,
+    MECHMON_FAMILIES,
+    ROUTER_FAMILIES,
+    SYMPTOM_KEYS,
+)
 
 _SHORT = {
     "attn_delta2": "Δ2",
@@ -111,15 +117,19 @@ def evaluate_targets(results: dict[str, Any]) -> dict[str, Any]:
         fa_rows.append(
             {
                 "seed": r["seed"],
-                "order_delta2_dw_divergence": div is not None and _before(fa["attn_delta2"], fa["attn_dw"])
+                "order_delta2_dw_divergence": div is not None
+                and _before(fa["attn_delta2"], fa["attn_dw"])
                 and _before(fa["attn_dw"], div),
                 "delta2_lead_share": share,
                 "delta2_lead_share_ge_50pct": share is not None and share >= 0.5,
-                "delta2_before_every_symptom": fa["attn_delta2"] is not None and fa["attn_delta2"] >= onset
+                "delta2_before_every_symptom": fa["attn_delta2"] is not None
+                and fa["attn_delta2"] >= onset
                 and all(fa["attn_delta2"] < v for v in after.values()),
                 "earliest_symptom_after_onset": min(after.values()) if after else None,
                 "earliest_symptom_after_onset_name": min(after, key=after.get) if after else None,
-                "symptom_false_alarms_before_onset": {k: fa[k] for k in SYMPTOM_KEYS if fa[k] is not None and fa[k] < onset},
+                "symptom_false_alarms_before_onset": {
+                    k: fa[k] for k in SYMPTOM_KEYS if fa[k] is not None and fa[k] < onset
+                },
                 "delta2_alarm": fa["attn_delta2"],
                 "divergence_step": div,
             }
@@ -145,7 +155,9 @@ def evaluate_targets(results: dict[str, Any]) -> dict[str, Any]:
     faulty_iters = max((r["train_iters"] for r in runs if r["scenario"] != "clean"), default=0)
     out["clean"] = {
         "seeds": [r["seed"] for r in clean],
-        "runs_with_mechmon_alarm": [r["seed"] for r in clean if any(r["first_alarm"][f] is not None for f in MECHMON_FAMILIES)],
+        "runs_with_mechmon_alarm": [
+            r["seed"] for r in clean if any(r["first_alarm"][f] is not None for f in MECHMON_FAMILIES)
+        ],
         "min_steps": min((r["train_iters"] for r in clean), default=0),
         "faulty_run_steps": faulty_iters,
     }
@@ -246,6 +258,11 @@ def _yes(flag: Optional[bool]) -> str:
     return "n/a" if flag is None else ("yes" if flag else "NO")
 
 
+def _calibration_note(study: dict) -> str:
+    seed = study.get("calibration_seed")
+    return "" if seed is None else f", chosen on clean calibration seed {seed}"
+
+
 def markdown_report(results: dict[str, Any]) -> str:
     study = results.get("study", {})
     det = study.get("detector", {})
@@ -255,7 +272,7 @@ def markdown_report(results: dict[str, Any]) -> str:
         "",
         f"preset `{study.get('preset')}`, {study.get('train_iters')} steps per run, seeds {study.get('seeds')}, "
         f"training wall time {'n/a' if wall is None else f'{wall:.0f} s'}; detector setting (one for all scenarios"
-        f"{', chosen on clean calibration seed ' + str(study['calibration_seed']) if study.get('calibration_seed') is not None else ''}"
+        f"{_calibration_note(study)}"
         f"): {det}",
         "",
         markdown_table(results),

@@ -91,7 +91,9 @@ def run_study(options: StudyOptions) -> dict[str, Any]:
     }
     _write_plan(options.out_dir, plan)
     start = time.monotonic()
-    launched = launch_runs(specs, options.out_dir, jobs=options.jobs, trainer=options.trainer, progress=options.progress)
+    launched = launch_runs(
+        specs, options.out_dir, jobs=options.jobs, trainer=options.trainer, progress=options.progress
+    )
     plan["train_wall_s"] = time.monotonic() - start
     plan["runs"] = [_spec_json(r.spec, r) for r in launched]
     _write_plan(options.out_dir, plan)

@@ -85,7 +85,7 @@ def test_finite_difference_gradcheck_fp64():
     cfg = EmulatedFAConfig(block_q=2, block_k=3, emulate_bf16=False)
     for causal in (True, False):
         assert torch.autograd.gradcheck(
-            lambda a, b, c: emulated_flash_attention(a, b, c, causal=causal, config=cfg), (q, k, v)
+            lambda a, b, c, causal=causal: emulated_flash_attention(a, b, c, causal=causal, config=cfg), (q, k, v)
         )
 
 

@@ -46,7 +46,9 @@ def check_rows(
             attn_factor = 0.5 if (attn_drop_at is not None and t >= attn_drop_at and layer == 1) else 1.0
             router_factor = 0.5 if (router_drop_at is not None and t >= router_drop_at and layer == 1) else 1.0
             for head in range(heads):
-                scalars[f"mechmon/attn/delta2_entropy/layer_{layer}/head_{head}"] = 2.0 * attn_factor + rng.gauss(0, 0.01)
+                scalars[f"mechmon/attn/delta2_entropy/layer_{layer}/head_{head}"] = 2.0 * attn_factor + rng.gauss(
+                    0, 0.01
+                )
             scalars[f"mechmon/attn/delta2_entropy/layer_{layer}"] = 2.0 * attn_factor
             scalars[f"mechmon/attn/dw_entropy/layer_{layer}"] = 3.0 + rng.gauss(0, 0.01)
             scalars[f"mechmon/attn/dwk_entropy/layer_{layer}"] = 3.0 + rng.gauss(0, 0.01)

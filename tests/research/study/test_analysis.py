@@ -83,7 +83,10 @@ def test_attention_drop_alarms_first_in_the_right_family(tmp_path):
     assert first["wq_spectral_norm"] == 300  # 4x growth of W_q sigma_max in layer 1
     div = result["divergence_step"]
     assert div is not None and 600 <= div <= 640
-    steps, share = result["lead_to_divergence"]["attn_delta2"]["steps"], result["lead_to_divergence"]["attn_delta2"]["share"]
+    steps, share = (
+        result["lead_to_divergence"]["attn_delta2"]["steps"],
+        result["lead_to_divergence"]["attn_delta2"]["share"],
+    )
     assert steps == div - 320 and share == pytest.approx((div - 320) / (div - 250))
     assert result["false_alarm"]["attn_delta2"] is False
 
@@ -209,5 +212,7 @@ def test_replay_applies_the_recorded_routing_entropy_floor(tmp_path):
     data = A.RunData.from_files(str(tmp_path / "none.jsonl"), str(path))
     replay = A.replay_mechmon(data, setting)["first_alarm"]["router_entropy"]
     assert online and replay == online[0] < 10 * setting.warmup
-    stripped = A.RunData(checks=[(s, {k: v for k, v in sc.items() if "token_entropy_floor" not in k}) for s, sc in data.checks])
+    stripped = A.RunData(
+        checks=[(s, {k: v for k, v in sc.items() if "token_entropy_floor" not in k}) for s, sc in data.checks]
+    )
     assert A.replay_mechmon(stripped, setting)["first_alarm"]["router_entropy"] is None

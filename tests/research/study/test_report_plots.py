@@ -80,7 +80,9 @@ def test_false_alarm_is_marked(tmp_path):
 
 
 def test_plot_run_writes_a_png(tmp_path):
-    mpath, cpath = write_run(str(tmp_path / "run"), metrics_rows(400, diverge_at=300), check_rows(400, attn_drop_at=200))
+    mpath, cpath = write_run(
+        str(tmp_path / "run"), metrics_rows(400, diverge_at=300), check_rows(400, attn_drop_at=200)
+    )
     data = A.RunData.from_files(mpath, cpath)
     run = {"scenario": "fa", "seed": 1, **A.analyze_run(data, fault_onset=150)}
     path = plots.plot_run(data, run, str(tmp_path / "plots" / "fa.png"))

@@ -31,7 +31,11 @@ def test_each_scenario_sets_its_fault_only():
     assert float(_flag(router_lr, "--router-lr-mult")) == preset.router_lr_mult > 1
     assert all("--router-lr-mult" not in f for f in (clean, fa, moe_lr, moe_gbs, combined))
     assert _flag(router_lr, "--lr") == _flag(clean, "--lr") and "--fa-fault-strength" not in router_lr
-    assert S.get_scenario("moe-router-lr").fault_onset(preset) == S.get_scenario("moe-router-lr").router_fault_onset(preset) == 1
+    assert (
+        S.get_scenario("moe-router-lr").fault_onset(preset)
+        == S.get_scenario("moe-router-lr").router_fault_onset(preset)
+        == 1
+    )
     for flags in (clean, fa, moe_lr, moe_gbs, combined, router_lr):
         assert _flag(flags, "--mechmon-action") == "log"
         assert "--mechmon-per-head-scalars" in flags and "--log-max-attn-logit" in flags
@@ -65,7 +69,8 @@ FAKE_TRAINER = textwrap.dedent(
         print("boom"); sys.exit(3)
     with open(get("--metrics-jsonl"), "w") as f:
         for t in range(1, iters + 1):
-            f.write(json.dumps({"iteration": t, "lm_loss": 2.0, "grad_norm": 1.0, "lr": 0.1, "step_time_s": 0.0}) + "\\n")
+            row = {"iteration": t, "lm_loss": 2.0, "grad_norm": 1.0, "lr": 0.1, "step_time_s": 0.0}
+            f.write(json.dumps(row) + "\\n")
     """
 )
 
