@@ -1,4 +1,4 @@
-"""Symptom-level baseline detectors over one scalar stream (PAPER.md section 3).
+"""Symptom-level baseline detectors over one scalar stream (docs/METHOD.md section 9).
 
 These are the cheap rules users already run on the loss and the gradient norm; mechmon's claim
 is measured against them (same run, same steps: who alarms first, who alarms falsely). Each rule

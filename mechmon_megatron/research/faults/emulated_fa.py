@@ -1,7 +1,7 @@
 """Emulated low-precision FlashAttention (forward and FA-2 backward) in pure PyTorch.
 
 Imports torch only. The kernel runs on any device (CPU included); it is used to study the BF16
-FlashAttention failure of Qiu & Yao (PAPER.md section 2) on small models without a GPU.
+FlashAttention failure of Qiu & Yao (docs/METHOD.md section 8) on small models without a GPU.
 
 Naming convention (shapes use B batch, H heads, N query length, M key length, D head dim):
 
@@ -16,7 +16,7 @@ Naming convention (shapes use B batch, H heads, N query length, M key length, D 
   failure site.
 
 BF16 emulation (``emulate_bf16=True``): values are rounded with ``x.to(torch.bfloat16)`` and
-cast back, following the CPU recipe of PAPER.md section 2: Q, K, V are cast to BF16; S is
+cast back, following the CPU recipe of docs/METHOD.md section 8: Q, K, V are cast to BF16; S is
 computed in FP32; ``p_bar`` is cast to BF16 before ``p_bar @ V``; accumulation is FP32; O is
 rounded to BF16 at the end (``O = acc / l``). In the backward ``P``, ``dO`` and ``dS`` are
 rounded to BF16 before their matrix products (the operands a BF16 FA-2 kernel feeds its MMAs),

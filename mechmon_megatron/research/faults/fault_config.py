@@ -2,7 +2,7 @@
 
 Pure Python: no torch, megatron or deepspeed import.
 
-What the injector does (PAPER.md section 2). In the FlashAttention backward,
+What the injector does (docs/METHOD.md section 8). In the FlashAttention backward,
 ``delta = rowsum(dO * O)`` is computed from the low-precision output O. Qiu & Yao trace the
 loss explosion of BF16 FlashAttention training to a *biased* rounding of O on rows whose score
 maximum is tied. A tiny CPU model rarely produces such ties by itself, so the injector forces a

@@ -1,4 +1,4 @@
-"""The fault study (issue 4): scenarios x seeds through the example trainer, then offline analysis.
+"""The fault study: scenarios x seeds through the example trainer, then offline analysis.
 
 Modules, one job each:
 

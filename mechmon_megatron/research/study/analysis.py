@@ -22,7 +22,7 @@ Mechmon alarms are REPLAYED here with the same detector code the session runs on
 so a replay with the run's own ``--mechmon-detector-*`` settings reproduces its online alarms,
 and other settings can be compared without retraining.
 
-Symptom baselines (PAPER.md section 3) replayed with
+Symptom baselines (docs/METHOD.md section 9) replayed with
 :func:`~mechmon_megatron.research.baselines.symptom_rules.build_symptom_rules` (published defaults):
 
 =====================  ============================================================

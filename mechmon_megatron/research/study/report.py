@@ -104,7 +104,7 @@ def _before(a: Optional[int], b: Optional[int]) -> bool:
 
 
 def evaluate_targets(results: dict[str, Any]) -> dict[str, Any]:
-    """The issue's targets, checked run by run, with the numbers behind each verdict."""
+    """The study's targets, checked run by run, with the numbers behind each verdict."""
     runs = reported_runs(results)
     out: dict[str, Any] = {}
     fa_rows = []
@@ -161,10 +161,10 @@ def evaluate_targets(results: dict[str, Any]) -> dict[str, Any]:
         "min_steps": min((r["train_iters"] for r in clean), default=0),
         "faulty_run_steps": faulty_iters,
     }
-    out["clean"]["met"] = (
-        (len(clean) >= 3 and not out["clean"]["runs_with_mechmon_alarm"] and out["clean"]["min_steps"] >= faulty_iters)
-        if clean else None
-    )
+    # A clean run that raised no alarm passes; whether the study had enough clean runs (>= 3
+    # seeds, as long as the faulty runs) to make the pass convincing is reported apart.
+    out["clean"]["met"] = (not out["clean"]["runs_with_mechmon_alarm"]) if clean else None
+    out["clean"]["enough_runs"] = (len(clean) >= 3 and out["clean"]["min_steps"] >= faulty_iters) if clean else None
     matrix = orthogonality(results)
     fa_router = matrix.get(FAULT_ROWS[0][0], {}).get(MONITOR_COLUMNS[1][0], [0, 0])
     moe_attn = matrix.get(FAULT_ROWS[1][0], {}).get(MONITOR_COLUMNS[0][0], [0, 0])
@@ -233,7 +233,8 @@ def markdown_targets(results: dict[str, Any]) -> str:
     c = t["clean"]
     lines.append(
         f"- clean: {len(c['seeds'])} seeds, runs with a mechmon alarm: {c['runs_with_mechmon_alarm'] or 'none'}, "
-        f"{c['min_steps']} steps (faulty runs {c['faulty_run_steps']}): met {_yes(c['met'])}"
+        f"{c['min_steps']} steps (faulty runs {c['faulty_run_steps']}): no false alarm {_yes(c['met'])}"
+        + ("" if c.get("enough_runs") is not False else " (fewer than 3 clean seeds or shorter than the faulty runs)")
     )
     o = t["orthogonality"]
     lines.append(
@@ -286,7 +287,7 @@ def markdown_report(results: dict[str, Any]) -> str:
         "",
         markdown_orthogonality(results),
         "",
-        "### Targets (issue 4)",
+        "### Targets",
         "",
         markdown_targets(results),
         "",

@@ -18,7 +18,7 @@ moe-router-lr
 ==========  ===============================================================================
 
 The fa fault is *amplified*: the faithful variant (bias only on rows with a tied score maximum)
-does not trigger on models this small within a CPU budget (PAPER.md section 2), so the bias is
+does not trigger on models this small within a CPU budget (docs/METHOD.md section 8), so the bias is
 applied on every row with a strength of many BF16 ulps.
 
 A :class:`Preset` fixes the model size, the run length and the monitor schedule for a study:

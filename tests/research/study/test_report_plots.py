@@ -51,7 +51,8 @@ def test_results_json_has_the_interface_keys(tmp_path):
     assert results["orthogonality"]["attn fault (fa)"]["router monitors (entropy, similarity)"] == [0, 1]
     assert results["orthogonality"]["router fault (moe-lr, moe-gbs)"]["attention monitors (Δ2, dW)"] == [0, 1]
     assert results["targets"]["orthogonality"]["met"] is True
-    assert results["targets"]["clean"]["met"] is False  # two clean seeds only: the target needs >= 3
+    assert results["targets"]["clean"]["met"] is True  # no clean run alarmed: a pass
+    assert results["targets"]["clean"]["enough_runs"] is False  # two clean seeds only: the target wants >= 3
     moe = results["targets"]["moe"][0]
     assert moe["before_collapse"] is True and moe["before_divergence"] is None  # no divergence: n/a
     fa_target = results["targets"]["fa"][0]
@@ -77,6 +78,8 @@ def test_false_alarm_is_marked(tmp_path):
     clean["false_alarm"]["attn_delta2"] = True
     assert "100!" in report.markdown_table(results)
     assert report.evaluate_targets(results)["clean"]["runs_with_mechmon_alarm"] == [1]
+    assert report.evaluate_targets(results)["clean"]["met"] is False
+    assert "no false alarm NO" in report.markdown_targets({**results, "targets": None})
 
 
 def test_plot_run_writes_a_png(tmp_path):
