@@ -1,19 +1,25 @@
-# Two commands for a new user: `make demo` (the main job) and `make test` (the whole suite).
+# Two commands for a new user: `make demo` (the main job) and `make test` (lint, then the whole suite).
 # Both create .venv on first use; nothing needs installing by hand.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mechmon-installed
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-slow demo bench clean
+.PHONY: venv lint test test-slow demo bench clean
 
-$(STAMP): setup.py tools/requirements/pinned-cpu.txt tools/bootstrap_venv.sh
+$(STAMP): setup.py pyproject.toml tools/requirements/pinned-cpu.txt tools/bootstrap_venv.sh
 	bash tools/bootstrap_venv.sh $(VENV)
 	touch $(STAMP)
 
 venv: $(STAMP)
 
-test: $(STAMP)
+# ruff (style, imports, bugbear, pyupgrade) on the whole tree; mypy on the core and the session.
+# Configuration: pyproject.toml.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+test: lint
 	$(PY) -m pytest tests -q --durations=15 $(PYTEST_ARGS)
 
 # Opt-in slow tests (long fault-study runs, end-to-end Megatron-LM, SLURM): see tests/README.md.

@@ -41,10 +41,14 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["mechmon_megatron", "mechmon_megatron.*"]),
+    # The product and its research / testing sub-packages, plus the example megatron-core trainer
+    # (``python -m gpt_trainer``), which the fault study launches by module.
+    packages=find_packages(include=["mechmon_megatron", "mechmon_megatron.*"]) + ["gpt_trainer"],
+    package_dir={"gpt_trainer": "examples/pretrain_scripts/gpt_trainer"},
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
     data_files=_patch_files(),
-    entry_points={"console_scripts": ["mechmon-patch=mechmon_megatron.adapters.megatron_lm_patch:main"]},
+    package_data={"mechmon_megatron.detect": ["null_tails.json"]},
+    entry_points={"console_scripts": ["mechmon-patch=mechmon_megatron.adapters.megatron_lm.patch_tool:main"]},
     license="Apache-2.0",
 )

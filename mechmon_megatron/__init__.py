@@ -1,13 +1,20 @@
 """mechmon-megatron: mechanism-driven monitors for large-scale LLM pre-training.
 
-Layers (imports only point downwards):
+The product, in layers (imports only point downwards; docs/ARCHITECTURE.md):
 
 * ``mechmon_megatron.monitors`` and ``mechmon_megatron.detect`` -- the pure-torch core: spectral
-  statistics of Q/K weight increments, MoE router metrics, symptom baselines, alarm rules.
-  Never imports megatron or deepspeed.
+  statistics of Q/K weight increments, MoE router metrics, the alarm rule. Never imports
+  megatron or deepspeed. Formulas: docs/METHOD.md.
 * ``mechmon_megatron.session`` -- the host-agnostic monitoring session: schedule, snapshots,
-  attribution, TensorBoard scalars, actions (log / warn / checkpoint-and-abort).
-* ``mechmon_megatron.adapters`` -- thin host adapters (megatron-core, Megatron-LM, DeepSpeed).
+  checks, records, TensorBoard scalars, actions (log / warn / checkpoint-and-abort).
+* ``mechmon_megatron.adapters.<host>`` -- one folder per host (``megatron_core``,
+  ``megatron_lm``, ``deepspeed``), each with a small public entry point; ``mechmon_megatron.cli``
+  holds the ``--mechmon*`` flags. ``mechmon_megatron.megatron_lm`` and
+  ``mechmon_megatron.deepspeed`` are stable aliases of two entry points.
+
+Beside the product, never imported by it: ``mechmon_megatron.research`` (fault injectors,
+symptom-rule baselines, the studies) and ``mechmon_megatron.testing`` (CPU shims of
+megatron-core and Megatron-LM for tests, examples and the study).
 """
 
 __version__ = "0.1.0"

@@ -1,6 +1,9 @@
-"""``mechmon_megatron.deepspeed.attach(engine)``: the DeepSpeed entry point (see docs/DEEPSPEED.md)."""
+"""Alias kept for users: ``mechmon_megatron.deepspeed.attach(engine)`` (see docs/DEEPSPEED.md).
 
-from mechmon_megatron.adapters.deepspeed import (  # noqa: F401
+The adapter itself lives in :mod:`mechmon_megatron.adapters.deepspeed`.
+"""
+
+from mechmon_megatron.adapters.deepspeed import (
     CLIENT_ALERT_KEY,
     CLIENT_STATE_KEY,
     MechmonDeepSpeed,
@@ -9,4 +12,11 @@ from mechmon_megatron.adapters.deepspeed import (  # noqa: F401
     parse_section,
 )
 
-__all__ = ["attach", "MechmonDeepSpeed", "config_from_ds_config", "parse_section", "CLIENT_STATE_KEY", "CLIENT_ALERT_KEY"]
+__all__ = [
+    "attach",
+    "MechmonDeepSpeed",
+    "config_from_ds_config",
+    "parse_section",
+    "CLIENT_STATE_KEY",
+    "CLIENT_ALERT_KEY",
+]

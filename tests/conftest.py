@@ -29,7 +29,7 @@ def model_parallel():
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from mechmon_megatron.compat.cpu_megatron import enable_cpu_compat
+    from mechmon_megatron.testing.cpu_megatron import enable_cpu_compat
 
     enable_cpu_compat()
     created = not dist.is_initialized()

@@ -28,18 +28,13 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from mechmon_megatron.monitors import qk_increment as qk  # noqa: E402
-from mechmon_megatron.monitors.update_spectrum import (  # noqa: E402
+from mechmon_megatron.monitors import qk_increment as qk
+from mechmon_megatron.monitors.update_spectrum import (
     per_head_update_singular_values,
     update_singular_values,
 )

@@ -18,13 +18,7 @@ import json
 import os
 import platform
 import statistics
-import sys
 import tempfile
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(ROOT, "examples", "pretrain_scripts"))
-sys.path.insert(0, ROOT)
 
 DEMO_MODEL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
               "--micro-batch-size", "4", "--global-batch-size", "4", "--num-experts", "4", "--moe-router-topk", "2",
@@ -34,8 +28,7 @@ DEMO_MODEL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-head
 def _train_seconds(trainer_args: list[str], metrics_path: str) -> float:
     """Run one training in this process; return its loop wall time in seconds."""
     from gpt_trainer import main
-
-    from mechmon_megatron.adapters.mcore.callback import MechmonCallback
+    from mechmon_megatron.adapters.megatron_core import MechmonCallback
     from mechmon_megatron.cli.args import add_mechmon_args, config_from_args
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -73,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
                 total = _train_seconds([*base, *extra], os.path.join(tmp, f"{arm}{r}.jsonl"))
                 results[arm].append(total)
                 if arm == "on":
-                    rows = [json.loads(l) for l in open(os.path.join(log_dir, "mechmon_scalars.jsonl"))]
+                    rows = [json.loads(line) for line in open(os.path.join(log_dir, "mechmon_scalars.jsonl"))]
                     session_ms.append(sum(row["scalars"].get("mechmon/overhead_ms", 0.0) for row in rows))
     import torch
 

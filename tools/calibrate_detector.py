@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-from mechmon_megatron.study.campaign_data import load_checks
-from mechmon_megatron.study.pooled_replay import calibrate_on_runs
+from mechmon_megatron.research.study.campaign_data import load_checks
+from mechmon_megatron.research.study.pooled_replay import calibrate_on_runs
 
 
 def main(argv=None) -> int:
@@ -29,15 +28,21 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         series = [load_checks(r) for r in args.runs]
-        table, log = calibrate_on_runs(series, args.interval, args.delta,
-                                       source=f"{len(series)} healthy runs, interval {args.interval}, delta {args.delta}")
+        table, log = calibrate_on_runs(
+            series,
+            args.interval,
+            args.delta,
+            source=f"{len(series)} healthy runs, interval {args.interval}, delta {args.delta}",
+        )
     except (OSError, ValueError) as exc:
         raise SystemExit(f"calibration failed: {exc}") from None
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(table.to_dict(), f, indent=1)
             f.write("\n")
-    print(json.dumps({"out": args.out, "runs": len(series), "checks": sum(len(s) for s in series), "fit": log}, indent=1))
+    print(
+        json.dumps({"out": args.out, "runs": len(series), "checks": sum(len(s) for s in series), "fit": log}, indent=1)
+    )
     return 0
 
 

@@ -4,7 +4,7 @@ before expert collapse?
 
 Trains ``examples/pretrain_scripts/deepspeed_moe_mechmon.py`` (DeepSpeed MoE layer, CPU, gloo,
 one process per run) at several peak learning rates and seeds, then analyses every run with the
-fault study's definitions (``mechmon_megatron.study.analysis``): expert collapse = MaxVio >= 2 in
+fault study's definitions (``mechmon_megatron.research.study.analysis``): expert collapse = MaxVio >= 2 in
 some layer at 5 consecutive checks; loss divergence = the smoothed-loss rule; mechmon alarms
 replayed with the session's default detector setting (== what the run raised online). The first
 LR is the healthy control; every other LR counts as a fault from step 1.
@@ -31,19 +31,19 @@ import sys
 import time
 from typing import Any, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from mechmon_megatron.study.analysis import (  # noqa: E402
+from mechmon_megatron.research.study.analysis import (
     DEFAULT_DETECTOR,
     RunData,
     analyze_run,
     read_jsonl,
     replay_mechmon,
 )
-from mechmon_megatron.study.runner import launch_runs, repo_root  # noqa: E402
-from mechmon_megatron.study.scenarios import RunSpec  # noqa: E402
+from mechmon_megatron.research.study.runner import launch_runs
+from mechmon_megatron.research.study.scenarios import RunSpec
 
-EXAMPLE = os.path.join("examples", "pretrain_scripts", "deepspeed_moe_mechmon.py")
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                       "examples", "pretrain_scripts", "deepspeed_moe_mechmon.py")
+"""The DeepSpeed example script of this checkout (beside tools/)."""
 JOB_NAME = "deepspeed_moe_mechmon"  # csv_monitor.job_name of the example's ds_config
 LOSS_CSV = os.path.join("monitor", JOB_NAME, "Train_lm_loss.csv")
 MECHMON_JSONL = os.path.join("mechmon", "mechmon_scalars.jsonl")
@@ -69,7 +69,7 @@ def command_for(spec: RunSpec, directory: str, interval: int, delta: int) -> lis
     """A one-process torchrun launch of the example with its outputs in ``directory``."""
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-        os.path.join(repo_root(), EXAMPLE), "--no-shm-comm-op", *spec.flags,
+        EXAMPLE, "--no-shm-comm-op", *spec.flags,
         "--monitor-dir", os.path.join(directory, "monitor"),
         "--mechmon-set", f"interval={interval}", "--mechmon-set", f"delta={delta}",
         "--mechmon-set", "action=log", "--mechmon-set", "per_head_scalars=true",
@@ -128,13 +128,16 @@ def load_run(out: str, spec: RunSpec) -> RunData:
 def plot(out: str, specs: list[RunSpec], results: list[dict[str, Any]]) -> str:
     """``OUT/effective_experts.png``: one panel per seed, one line per LR, and the floor the
     runs recorded (``mechmon/router/token_entropy_floor/*``, as effective experts)."""
-    from mechmon_megatron.study.plots import plot_effective_experts
+    from mechmon_megatron.research.study.plots import plot_effective_experts
 
     panels: dict[str, list] = {}
     floor: Optional[float] = None
     for spec, r in zip(specs, results):
         data = load_run(out, spec)
-        run = {"router_entropy_alarm": r["first_alarm"]["router_entropy"], "expert_collapse_step": r["expert_collapse_step"]}
+        run = {
+            "router_entropy_alarm": r["first_alarm"]["router_entropy"],
+            "expert_collapse_step": r["expert_collapse_step"],
+        }
         panels.setdefault(f"seed {spec.seed}", []).append((f"LR {r['lr']:g}", data, run))
         floors = [v for _, sc in data.checks for k, v in sc.items() if "/token_entropy_floor/" in k]
         floor = math.exp(floors[0]) if floors and floor is None else floor
@@ -147,18 +150,28 @@ def analyze(out: str, specs: list[RunSpec]) -> list[dict[str, Any]]:
         data = load_run(out, spec)
         run = analyze_run(data, fault_onset=spec.fault_onset)
         tail = data.loss[-50:]
-        results.append({
-            "run": spec.run_id, "lr": float(spec.flags[1]), "seed": spec.seed, "fault": spec.fault_onset is not None,
-            "steps_recorded": run["steps_recorded"], "num_checks": run["num_checks"],
-            "final_loss_ma50": math.fsum(tail) / len(tail) if tail else None,
-            "divergence_step": run["divergence_step"],
-            "expert_collapse_step": run["expert_collapse_step"],
-            "online_first_alarm": run["online_first_alarm"],
-            "first_alarm": {k: run["first_alarm"][k] for k in ("router_entropy", "router_weights", "attn_delta2", "attn_dw")},
-            "first_alarm_stream": run["first_alarm_stream"],
-            "router_entropy_alarm_without_floor": replay_mechmon(without_floor(data), DEFAULT_DETECTOR)["first_alarm"]["router_entropy"],
-            **entropy_profile(data),
-        })
+        results.append(
+            {
+                "run": spec.run_id,
+                "lr": float(spec.flags[1]),
+                "seed": spec.seed,
+                "fault": spec.fault_onset is not None,
+                "steps_recorded": run["steps_recorded"],
+                "num_checks": run["num_checks"],
+                "final_loss_ma50": math.fsum(tail) / len(tail) if tail else None,
+                "divergence_step": run["divergence_step"],
+                "expert_collapse_step": run["expert_collapse_step"],
+                "online_first_alarm": run["online_first_alarm"],
+                "first_alarm": {
+                    k: run["first_alarm"][k] for k in ("router_entropy", "router_weights", "attn_delta2", "attn_dw")
+                },
+                "first_alarm_stream": run["first_alarm_stream"],
+                "router_entropy_alarm_without_floor": replay_mechmon(without_floor(data), DEFAULT_DETECTOR)[
+                    "first_alarm"
+                ]["router_entropy"],
+                **entropy_profile(data),
+            }
+        )
     return results
 
 
@@ -186,8 +199,12 @@ def markdown(results: list[dict[str, Any]]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lrs", default="2e-3,8e-3,3e-2,1e-1", help="Peak LRs, comma-separated; the first is the healthy control.")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--lrs", default="2e-3,8e-3,3e-2,1e-1", help="Peak LRs, comma-separated; the first is the healthy control."
+    )
     p.add_argument("--seeds", default="1", help="Seeds, comma-separated.")
     p.add_argument("--train-iters", type=int, default=1500)
     p.add_argument("--interval", type=int, default=20, help="mechmon check interval (steps).")

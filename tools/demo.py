@@ -1,7 +1,7 @@
 """`make demo`: a short fault study (clean, fa, moe-lr; seed 1; 1,000 steps) on CPU in <= 10 minutes.
 
 Trains three small megatron-core GPT-MoE runs with the mechanism monitors on (preset ``demo`` of
-mechmon_megatron/study/scenarios.py; the fa fault is an AMPLIFIED injection, see docs/RESULTS.md),
+mechmon_megatron/research/study/scenarios.py; the fa fault is an AMPLIFIED injection, see docs/RESULTS.md),
 then prints the table of first alarms, divergence and leads, and where the TensorBoard logs,
 results.json and the plots are.
 
@@ -15,12 +15,11 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from mechmon_megatron.research.study.report import markdown_report
+from mechmon_megatron.research.study.scenarios import get_preset
+from mechmon_megatron.research.study.study import StudyOptions, run_study
 
-from mechmon_megatron.study.report import markdown_report  # noqa: E402
-from mechmon_megatron.study.scenarios import get_preset  # noqa: E402
-from mechmon_megatron.study.study import StudyOptions, run_study  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout: demo_out/ goes there
 
 
 def main(argv=None) -> int:

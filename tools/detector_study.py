@@ -3,7 +3,7 @@
     python tools/detector_study.py run --out runs/detector_study --jobs 2   # hours on 2 cores; resumable
     python tools/detector_study.py analyze --out runs/detector_study         # tables, plots, JSON
 
-``run`` trains (or resumes) every run of ``mechmon_megatron.study.long_plan``; launch it again
+``run`` trains (or resumes) every run of ``mechmon_megatron.research.study.long_plan``; launch it again
 after an interruption and it continues from the checkpoints. See docs/RESULTS.md.
 """
 
@@ -14,8 +14,8 @@ import json
 import logging
 import sys
 
-from mechmon_megatron.study.campaign import launch_campaign
-from mechmon_megatron.study.long_plan import plan_campaign
+from mechmon_megatron.research.study.campaign import launch_campaign
+from mechmon_megatron.research.study.long_plan import plan_campaign
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,7 +46,7 @@ def main(argv=None) -> int:
         status = launch_campaign(runs, args.out, jobs=args.jobs, progress=not args.no_progress)
         print(json.dumps({k: v.get("state") for k, v in status.items()}, indent=1))
         return 0 if all(v.get("state") in ("done", "stopped-after-divergence") for v in status.values()) else 1
-    from mechmon_megatron.study.detector_report import analyze_campaign
+    from mechmon_megatron.research.study.detector_report import analyze_campaign
 
     analyze_campaign(args.out, plots=not args.no_plots)
     return 0

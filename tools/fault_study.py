@@ -14,11 +14,9 @@ import logging
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repository root
-
-from mechmon_megatron.study.report import markdown_report, markdown_sensitivity  # noqa: E402
-from mechmon_megatron.study.scenarios import PRESETS, SCENARIO_NAMES, get_preset, get_scenario, with_overrides  # noqa: E402
-from mechmon_megatron.study.study import StudyOptions, analyze_study, run_study, sensitivity  # noqa: E402
+from mechmon_megatron.research.study.report import markdown_report, markdown_sensitivity
+from mechmon_megatron.research.study.scenarios import PRESETS, SCENARIO_NAMES, get_preset, get_scenario, with_overrides
+from mechmon_megatron.research.study.study import StudyOptions, analyze_study, run_study, sensitivity
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -31,7 +29,9 @@ def _ints(text: str) -> tuple[int, ...]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="full", choices=sorted(PRESETS), help="Model size, run length, fault settings.")
-    p.add_argument("--scenarios", default=None, help=f"Comma-separated from {list(SCENARIO_NAMES)} (default: the preset's).")
+    p.add_argument(
+        "--scenarios", default=None, help=f"Comma-separated from {list(SCENARIO_NAMES)} (default: the preset's)."
+    )
     p.add_argument("--seeds", type=_ints, default=None, help="Comma-separated seeds (default: the preset's).")
     p.add_argument("--train-iters", type=int, default=None, help="Steps per run (default: the preset's).")
     p.add_argument("--fa-onset", type=int, default=None, help="Override the fa fault onset step.")

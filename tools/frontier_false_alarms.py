@@ -36,11 +36,11 @@ import sys
 from mechmon_megatron.detect import DetectorBank
 from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE, JobShape, thresholds_for_job
 from mechmon_megatron.detect.pooled_cusum import default_sequential_config
+from mechmon_megatron.research.study.campaign_data import load_checks
+from mechmon_megatron.research.study.pooled_replay import fit_tail_table, null_statistics, subsample
 from mechmon_megatron.session.config import MechmonConfig
 from mechmon_megatron.session.detector_inputs import stream_family
 from mechmon_megatron.session.session import detector_configs
-from mechmon_megatron.study.campaign_data import load_checks
-from mechmon_megatron.study.pooled_replay import fit_tail_table, null_statistics, subsample
 
 
 def expected_false_alarms(shape: JobShape, thresholds, table, checks: int, point_estimate: bool = False) -> float:
@@ -71,12 +71,17 @@ def leave_one_out(series, interval, every) -> list[dict]:
                 continue
             tail, _ = table.tail(1, family, "layer")
             for h in (tail.u0 + 2.0 / tail.theta_hat, tail.u0 + 4.0 / tail.theta_hat, tail.u0 + 6.0 / tail.theta_hat):
-                rows.append({
-                    "held_out": i, "family": family, "h": h, "checks": len(values),
-                    "predicted": len(values) * math.exp(tail.log_p_u0 - tail.theta_hat * (h - tail.u0)),
-                    "predicted_cautious": len(values) * math.exp(tail.log_survival(h)),
-                    "observed": sum(1 for v in values if v > h),
-                })
+                rows.append(
+                    {
+                        "held_out": i,
+                        "family": family,
+                        "h": h,
+                        "checks": len(values),
+                        "predicted": len(values) * math.exp(tail.log_p_u0 - tail.theta_hat * (h - tail.u0)),
+                        "predicted_cautious": len(values) * math.exp(tail.log_survival(h)),
+                        "observed": sum(1 for v in values if v > h),
+                    }
+                )
     return rows
 
 
@@ -91,12 +96,19 @@ def old_rule_rate(series) -> dict:
                 if family is None:
                     continue
                 stream_checks += 1
-                limit = scalars.get(name.replace("/token_entropy/", "/token_entropy_floor/")) if "/token_entropy/" in name else None
+                limit = (
+                    scalars.get(name.replace("/token_entropy/", "/token_entropy_floor/"))
+                    if "/token_entropy/" in name
+                    else None
+                )
                 if bank.update(name, step, scalars[name], family=family, limit=limit).fired:
                     fired += 1
-    return {"alarms": fired, "stream_checks": stream_checks,
-            "per_stream_check": fired / stream_checks if stream_checks else None,
-            "upper_95_per_stream_check": (3.0 if fired == 0 else fired + 2.0 * math.sqrt(fired)) / max(1, stream_checks)}
+    return {
+        "alarms": fired,
+        "stream_checks": stream_checks,
+        "per_stream_check": fired / stream_checks if stream_checks else None,
+        "upper_95_per_stream_check": (3.0 if fired == 0 else fired + 2.0 * math.sqrt(fired)) / max(1, stream_checks),
+    }
 
 
 def main(argv=None) -> int:
@@ -111,8 +123,12 @@ def main(argv=None) -> int:
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--checks", type=int, default=10_000, help="Checks over the job (1,000,000 steps at interval 100).")
     p.add_argument("--job-interval", type=int, default=None, help="The job's check interval (default: --delta).")
-    p.add_argument("--rate", type=float, default=DEFAULT_FALSE_ALARM_RATE,
-                   help="--mechmon-false-alarm-rate of the job (per 10^6 steps).")
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=DEFAULT_FALSE_ALARM_RATE,
+        help="--mechmon-false-alarm-rate of the job (per 10^6 steps).",
+    )
     p.add_argument("--json", action="store_true", help="Print only the JSON object.")
     args = p.parse_args(argv)
     job_interval = args.job_interval or args.delta
@@ -121,29 +137,50 @@ def main(argv=None) -> int:
     every = job_interval // args.interval
     overlap = max(1, math.ceil(args.delta / job_interval))
     series = [load_checks(r) for r in args.runs]
-    table, fit = fit_tail_table({overlap: (job_interval, [subsample(s, args.interval, every) for s in series])},
-                                source="frontier extrapolation")
-    shape = JobShape(layers={"attn_delta2": args.layers, "attn_dw": args.layers,
-                             "router_entropy": args.moe_layers, "router_weights": args.moe_layers},
-                     interval=job_interval, overlap=overlap)
+    table, fit = fit_tail_table(
+        {overlap: (job_interval, [subsample(s, args.interval, every) for s in series])}, source="frontier extrapolation"
+    )
+    shape = JobShape(
+        layers={
+            "attn_delta2": args.layers,
+            "attn_dw": args.layers,
+            "router_entropy": args.moe_layers,
+            "router_weights": args.moe_layers,
+        },
+        interval=job_interval,
+        overlap=overlap,
+    )
     thresholds, account = thresholds_for_job(shape, args.rate, table)
     steps = args.checks * job_interval
     stream_checks = args.checks * (args.layers * args.heads + 2 * args.layers + 2 * args.moe_layers)
     old = old_rule_rate(series)
     result = {
-        "job": {"layers": args.layers, "query_heads": args.heads, "query_groups": args.query_groups,
-                "moe_layers": args.moe_layers, "experts": args.experts, "checks": args.checks,
-                "interval": job_interval, "steps": steps, "tests": shape.num_tests(),
-                "stream_checks": stream_checks},
+        "job": {
+            "layers": args.layers,
+            "query_heads": args.heads,
+            "query_groups": args.query_groups,
+            "moe_layers": args.moe_layers,
+            "experts": args.experts,
+            "checks": args.checks,
+            "interval": job_interval,
+            "steps": steps,
+            "tests": shape.num_tests(),
+            "stream_checks": stream_checks,
+        },
         "rate_per_million_steps": args.rate,
         "expected_false_alarms": expected_false_alarms(shape, thresholds, table, args.checks),
         "expected_false_alarms_point_estimate": expected_false_alarms(shape, thresholds, table, args.checks, True),
-        "expected_false_alarms_per_million_steps": expected_false_alarms(shape, thresholds, table, args.checks) * 1e6 / steps,
+        "expected_false_alarms_per_million_steps": expected_false_alarms(shape, thresholds, table, args.checks)
+        * 1e6
+        / steps,
         "thresholds": account["thresholds"],
         "fit": fit,
         "tail_check_leave_one_out": leave_one_out(series, args.interval, every),
-        "old_per_stream_rule": {**old, "expected_false_alarms_at_job_scale": (old["per_stream_check"] or 0) * stream_checks,
-                                "upper_95_at_job_scale": old["upper_95_per_stream_check"] * stream_checks},
+        "old_per_stream_rule": {
+            **old,
+            "expected_false_alarms_at_job_scale": (old["per_stream_check"] or 0) * stream_checks,
+            "upper_95_at_job_scale": old["upper_95_per_stream_check"] * stream_checks,
+        },
         "healthy_runs": len(series),
         "assumptions": [
             "the healthy null of each test's CUSUM, measured on the proxy, holds per layer at frontier scale "
@@ -155,11 +192,17 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
-    print(json.dumps({k: v for k, v in result.items() if k not in ("fit", "tail_check_leave_one_out", "thresholds")}, indent=1))
+    print(
+        json.dumps(
+            {k: v for k, v in result.items() if k not in ("fit", "tail_check_leave_one_out", "thresholds")}, indent=1
+        )
+    )
     print("\nleave-one-out tail check (layer CUSUM, predicted with the point estimate / cautious fit vs observed):")
     for row in result["tail_check_leave_one_out"]:
-        print(f"  run {row['held_out']} {row['family']:15s} h={row['h']:7.2f}: predicted {row['predicted']:7.2f} "
-              f"(cautious {row['predicted_cautious']:7.2f}) observed {row['observed']:4d} of {row['checks']}")
+        print(
+            f"  run {row['held_out']} {row['family']:15s} h={row['h']:7.2f}: predicted {row['predicted']:7.2f} "
+            f"(cautious {row['predicted_cautious']:7.2f}) observed {row['observed']:4d} of {row['checks']}"
+        )
     return 0
 
 

@@ -160,7 +160,11 @@ class GPTMoE(nn.Module):
 # ------------------------------------------------------------------------------------ setup
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--deepspeed-config", default=os.path.join(HERE, "ds_config_mechmon.json"), help="DeepSpeed JSON config (with a \"mechmon\" section).")
+    p.add_argument(
+        "--deepspeed-config",
+        default=os.path.join(HERE, "ds_config_mechmon.json"),
+        help='DeepSpeed JSON config (with a "mechmon" section).',
+    )
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help="Set by the deepspeed launcher.")
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--hidden-size", type=int, default=128)
@@ -179,19 +183,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr-warmup-iters", type=int, default=100)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--global-batch-size", type=int, default=4)
-    p.add_argument("--micro-batch-size", type=int, default=None, help="Per rank; default = global / data-parallel size.")
-    p.add_argument("--zero-stage", type=int, default=None, choices=(0, 1, 2, 3), help="Override zero_optimization.stage.")
+    p.add_argument(
+        "--micro-batch-size", type=int, default=None, help="Per rank; default = global / data-parallel size."
+    )
+    p.add_argument(
+        "--zero-stage", type=int, default=None, choices=(0, 1, 2, 3), help="Override zero_optimization.stage."
+    )
     p.add_argument("--train-iters", type=int, default=200)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--corpus-max-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument("--save", default=None, help="Checkpoint directory (engine.save_checkpoint).")
     p.add_argument("--save-interval", type=int, default=0)
     p.add_argument("--load", default=None, help="Resume from this checkpoint directory (latest tag).")
-    p.add_argument("--monitor-dir", default=None, help="Override csv_monitor.output_path (and tensorboard's, if enabled).")
+    p.add_argument(
+        "--monitor-dir", default=None, help="Override csv_monitor.output_path (and tensorboard's, if enabled)."
+    )
     p.add_argument("--log-interval", type=int, default=10)
     p.add_argument("--no-shm-comm-op", action="store_true",
                    help="CPU: do not JIT-build/load DeepSpeed's shared-memory comm op (gloo does every collective).")
-    p.add_argument("--mechmon-set", action="append", default=[], metavar="KEY=JSON", help="Override a key of the mechmon section.")
+    p.add_argument(
+        "--mechmon-set", action="append", default=[], metavar="KEY=JSON", help="Override a key of the mechmon section."
+    )
     return p
 
 
@@ -200,7 +212,9 @@ def ds_config_from_args(args: argparse.Namespace, world: int) -> dict:
         config = json.load(f)
     micro = args.micro_batch_size or args.global_batch_size // world
     if micro < 1 or args.global_batch_size % (micro * world):
-        raise ValueError(f"--global-batch-size {args.global_batch_size} must be a multiple of micro batch {micro} x world {world}")
+        raise ValueError(
+            f"--global-batch-size {args.global_batch_size} must be a multiple of micro batch {micro} x world {world}"
+        )
     config["train_batch_size"] = args.global_batch_size
     config["train_micro_batch_size_per_gpu"] = micro
     config.pop("gradient_accumulation_steps", None)

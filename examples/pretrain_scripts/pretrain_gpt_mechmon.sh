@@ -6,8 +6,9 @@
 # The checkout must carry the mechmon patch (`mechmon-patch apply $MEGATRON_LM_DIR`; the script
 # checks). Defaults: a tiny GPT-MoE on --mock-data, checks every 10 iterations; override with the
 # variables below or append any Megatron-LM / --mechmon-* flag (later flags win).
-# Without a GPU it runs on CPU: --transformer-impl local --distributed-backend gloo and
-# MECHMON_CPU_COMPAT=1 (tests and laptops only).
+# Without a GPU it runs on CPU (tests and laptops only): --transformer-impl local
+# --distributed-backend gloo, started through `-m mechmon_megatron.testing.megatron_lm_cpu`,
+# which makes Megatron-LM run on CPU.
 #
 # Exit status: Megatron's, except after a mechmon checkpoint-and-abort, which exits with
 # MECHMON_EXIT_CODE (torchrun itself reports any failing worker as 1; the script recognises the
@@ -30,6 +31,7 @@ RDZV_ENDPOINT="${RDZV_ENDPOINT:-}"
 RDZV_ID="${RDZV_ID:-mechmon}"
 
 PYTHON="${PYTHON:-python}"
+export PYTHONPATH="$MEGATRON_LM_DIR:$MECHMON_DIR${PYTHONPATH:+:$PYTHONPATH}"
 "$PYTHON" "$MECHMON_DIR/tools/mechmon_patch.py" check "$MEGATRON_LM_DIR" >/dev/null || {
     echo "pretrain_gpt_mechmon.sh: $MEGATRON_LM_DIR/pretrain_gpt.py lacks the mechmon patch;" \
          "run: python $MECHMON_DIR/tools/mechmon_patch.py apply $MEGATRON_LM_DIR" >&2
@@ -39,9 +41,11 @@ PYTHON="${PYTHON:-python}"
 if "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
     NPROC_PER_NODE="${NPROC_PER_NODE:-$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')}"
     DEVICE_ARGS=(--bf16)
+    ENTRY=(pretrain_gpt.py)
 else
     NPROC_PER_NODE="${NPROC_PER_NODE:-2}"
-    export MECHMON_CPU_COMPAT=1 CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+    export CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+    ENTRY=(-m mechmon_megatron.testing.megatron_lm_cpu pretrain_gpt.py)
     DEVICE_ARGS=(--transformer-impl local --distributed-backend gloo --no-gradient-accumulation-fusion
                  --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion
                  --no-rope-fusion --no-persist-layer-norm)
@@ -63,7 +67,6 @@ MECHMON_ARGS=(--mechmon --mechmon-interval "$MECHMON_INTERVAL" --mechmon-delta "
 mkdir -p "$RUN_DIR"
 STARTED="$RUN_DIR/.started"
 touch "$STARTED"
-export PYTHONPATH="$MEGATRON_LM_DIR:$MECHMON_DIR${PYTHONPATH:+:$PYTHONPATH}"
 cd "$MEGATRON_LM_DIR"
 if [ -n "$RDZV_ENDPOINT" ]; then
     LAUNCH=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$RDZV_ID")
@@ -72,7 +75,7 @@ else
 fi
 set +e
 torchrun "${LAUNCH[@]}" --nproc-per-node "$NPROC_PER_NODE" \
-    pretrain_gpt.py "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${OUTPUT_ARGS[@]}" "${DEVICE_ARGS[@]}" \
+    "${ENTRY[@]}" "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${OUTPUT_ARGS[@]}" "${DEVICE_ARGS[@]}" \
     "${MECHMON_ARGS[@]}" "$@" &
 TORCHRUN_PID=$!
 # SIGTERM/SIGINT (Slurm time-limit warning, preemption): hand it to the workers themselves, so

@@ -20,22 +20,60 @@ def add_mechmon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g = parser.add_argument_group(title="mechmon", description="mechanism-driven training monitors")
     g.add_argument("--mechmon", action="store_true", help="Enable the mechanism monitors.")
     g.add_argument("--mechmon-interval", type=int, default=_DEFAULTS.interval, help="Check every N iterations.")
-    g.add_argument("--mechmon-delta", type=int, default=_DEFAULTS.delta, help="Increment window (iterations): compare weights at t and t - delta.")
+    g.add_argument(
+        "--mechmon-delta",
+        type=int,
+        default=_DEFAULTS.delta,
+        help="Increment window (iterations): compare weights at t and t - delta.",
+    )
     g.add_argument(
         "--mechmon-monitors",
         type=str,
         default=",".join(_DEFAULTS.monitors),
         help=f"Comma-separated monitor families from {list(MONITOR_FAMILIES)}.",
     )
-    g.add_argument("--mechmon-alpha", type=float, default=_DEFAULTS.alpha, help="Spectral-entropy exponent (2 = energy, 1 = Roy-Vetterli).")
-    g.add_argument("--mechmon-qk-method", type=str, default=_DEFAULTS.qk_method, help="Per-head kernel: gram (fast) or compressed (QR).")
-    g.add_argument("--mechmon-no-full-matrix-dw", action="store_true", help="Skip the full-matrix dW_q/dW_k spectra (saves a TP gather).")
+    g.add_argument(
+        "--mechmon-alpha",
+        type=float,
+        default=_DEFAULTS.alpha,
+        help="Spectral-entropy exponent (2 = energy, 1 = Roy-Vetterli).",
+    )
+    g.add_argument(
+        "--mechmon-qk-method",
+        type=str,
+        default=_DEFAULTS.qk_method,
+        help="Per-head kernel: gram (fast) or compressed (QR).",
+    )
+    g.add_argument(
+        "--mechmon-no-full-matrix-dw",
+        action="store_true",
+        help="Skip the full-matrix dW_q/dW_k spectra (saves a TP gather).",
+    )
     g.add_argument("--mechmon-action", type=str, default=_DEFAULTS.action, help=f"On alarm: one of {list(ACTIONS)}.")
-    g.add_argument("--mechmon-exit-code", type=int, default=_DEFAULTS.exit_code, help="Exit code after checkpoint-and-abort (not 0, 1, 16, 17).")
-    g.add_argument("--mechmon-snapshot-device", type=str, default=_DEFAULTS.snapshot_device, help="Where weight snapshots live: auto or cpu.")
-    g.add_argument("--mechmon-log-dir", type=str, default=None, help="Own TensorBoard + JSONL output when the host has no writer.")
-    g.add_argument("--mechmon-drill-at", type=int, default=None, help="Raise a synthetic alarm at this iteration (rehearse the action).")
-    g.add_argument("--mechmon-strict", action="store_true", help="Let monitor exceptions stop training (default: log and count).")
+    g.add_argument(
+        "--mechmon-exit-code",
+        type=int,
+        default=_DEFAULTS.exit_code,
+        help="Exit code after checkpoint-and-abort (not 0, 1, 16, 17).",
+    )
+    g.add_argument(
+        "--mechmon-snapshot-device",
+        type=str,
+        default=_DEFAULTS.snapshot_device,
+        help="Where weight snapshots live: auto or cpu.",
+    )
+    g.add_argument(
+        "--mechmon-log-dir", type=str, default=None, help="Own TensorBoard + JSONL output when the host has no writer."
+    )
+    g.add_argument(
+        "--mechmon-drill-at",
+        type=int,
+        default=None,
+        help="Raise a synthetic alarm at this iteration (rehearse the action).",
+    )
+    g.add_argument(
+        "--mechmon-strict", action="store_true", help="Let monitor exceptions stop training (default: log and count)."
+    )
     g.add_argument("--mechmon-per-head-scalars", action="store_true", help="Also write one Delta2 scalar per head.")
     g.add_argument(
         "--mechmon-router-entropy-bins",
@@ -47,18 +85,39 @@ def add_mechmon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "--mechmon-router-min-effective-experts",
         type=str,
         default=str(_DEFAULTS.router_min_effective_experts),
-        help="Routing-entropy floor as effective experts per token, exp(mean entropy): topk (default), a number >= 1, or off.",
+        help="Routing-entropy floor as effective experts per token, exp(mean entropy): "
+        "topk (default), a number >= 1, or off.",
     )
-    g.add_argument("--mechmon-detector-warmup", type=int, default=_DEFAULTS.detector_warmup, help="Checks forming each stream's baseline.")
-    g.add_argument("--mechmon-detector-window", type=int, default=_DEFAULTS.detector_window, help="Past checks in the median/MAD baseline.")
-    g.add_argument("--mechmon-detector-num-mads", type=float, default=_DEFAULTS.detector_num_mads, help="Alarm band width in robust sigmas (1.4826 MAD).")
+    g.add_argument(
+        "--mechmon-detector-warmup",
+        type=int,
+        default=_DEFAULTS.detector_warmup,
+        help="Checks forming each stream's baseline.",
+    )
+    g.add_argument(
+        "--mechmon-detector-window",
+        type=int,
+        default=_DEFAULTS.detector_window,
+        help="Past checks in the median/MAD baseline.",
+    )
+    g.add_argument(
+        "--mechmon-detector-num-mads",
+        type=float,
+        default=_DEFAULTS.detector_num_mads,
+        help="Alarm band width in robust sigmas (1.4826 MAD).",
+    )
     g.add_argument(
         "--mechmon-detector-min-rel-change",
         type=float,
         default=_DEFAULTS.detector_min_rel_change,
         help="Minimum band half-width relative to |baseline|.",
     )
-    g.add_argument("--mechmon-detector-patience", type=int, default=_DEFAULTS.detector_patience, help="Consecutive out-of-band checks to alarm.")
+    g.add_argument(
+        "--mechmon-detector-patience",
+        type=int,
+        default=_DEFAULTS.detector_patience,
+        help="Consecutive out-of-band checks to alarm.",
+    )
     return parser
 
 

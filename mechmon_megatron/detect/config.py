@@ -1,7 +1,7 @@
 """Configuration of the mechmon alarm rule (:class:`DetectorConfig`) and per-family defaults.
 
 The paper leaves thresholds open ("compare against a healthy baseline, not an absolute value",
-PAPER.md section 1c), so every number here is configuration with a documented default.
+docs/METHOD.md section 10), so every number here is configuration with a documented default.
 """
 
 from __future__ import annotations

@@ -102,8 +102,13 @@ def _normal_quantile(p: float) -> float:
     return 0.5 * (lo + hi)
 
 
-def fit_null_tail(values: Iterable[float], tail_quantile: float = 0.95, confidence: float = 0.95,
-                  min_exceedances: int = 20, hard_min_exceedances: int = 5) -> NullTail:
+def fit_null_tail(
+    values: Iterable[float],
+    tail_quantile: float = 0.95,
+    confidence: float = 0.95,
+    min_exceedances: int = 20,
+    hard_min_exceedances: int = 5,
+) -> NullTail:
     """Fit the exponential tail of the CUSUM statistic from healthy-run values (one per check
     and test). ``u0`` is the ``tail_quantile`` of the values, lowered until ``min_exceedances``
     values exceed it, never below 0 (the CUSUM sits at 0 much of the time); the excesses over
@@ -170,8 +175,14 @@ class TailTable:
         m = measured[-1]
         tail = self._lookup(m, family, level)
         scale = m / overlap
-        scaled = NullTail(u0=tail.u0, log_p_u0=tail.log_p_u0, theta=tail.theta * scale,
-                          theta_hat=tail.theta_hat * scale, samples=tail.samples, exceedances=tail.exceedances)
+        scaled = NullTail(
+            u0=tail.u0,
+            log_p_u0=tail.log_p_u0,
+            theta=tail.theta * scale,
+            theta_hat=tail.theta_hat * scale,
+            samples=tail.samples,
+            exceedances=tail.exceedances,
+        )
         return scaled, f"overlap {overlap} > measured {m}: theta scaled by {scale:.3g} (an extrapolation)"
 
     def _lookup(self, overlap: int, family: str, level: str) -> NullTail:
@@ -192,7 +203,7 @@ class TailTable:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "TailTable":
+    def from_dict(cls, data: Mapping[str, Any]) -> TailTable:
         tails = {
             int(m): {f: {lv: NullTail(**t) for lv, t in levels.items()} for f, levels in fams.items()}
             for m, fams in data["tails"].items()
@@ -223,7 +234,7 @@ def thresholds_for_job(
     per_test_warning = min(0.5, per_test * warning_factor)
     out: dict[str, FamilyThresholds] = {}
     notes: list[str] = []
-    for family, layers in sorted(shape.layers.items()):
+    for family in sorted(shape.layers):
         levels = {}
         for level in ("layer", "family"):
             tail, note = table.tail(shape.overlap, family, level)

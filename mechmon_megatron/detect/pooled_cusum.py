@@ -72,7 +72,7 @@ def trimmed_mean(values: Iterable[float], trim: float) -> float:
     if not xs:
         raise ValueError("trimmed_mean of no values")
     cut = int(math.floor(trim * len(xs)))
-    kept = xs[cut: len(xs) - cut] or xs
+    kept = xs[cut : len(xs) - cut] or xs
     return math.fsum(kept) / len(kept)
 
 
@@ -154,7 +154,8 @@ def default_sequential_config(interval: int = 20) -> SequentialConfig:
     warmup = warmup_checks(interval)
     trend = TrendConfig(warmup=warmup, min_trend=warmup)
     return SequentialConfig(
-        trend=trend, family_trends={"router_weights": replace(trend, abs_scale_floor=0.005)},
+        trend=trend,
+        family_trends={"router_weights": replace(trend, abs_scale_floor=0.005)},
     )
 
 
@@ -271,11 +272,20 @@ class PooledCusumDetector:
                 key = (family, layer, obs.member)
                 trend = self._trend(key)
                 if not math.isfinite(obs.value):
-                    result.alarms.append(PooledAlarm(
-                        step=step, family=family, level="layer", kind="nonfinite", layers=(layer,),
-                        members=(obs.member,), statistic=math.nan, threshold=math.nan, change_step=None,
-                        reason=f"non-finite {family} value in layer {layer} {obs.member}".strip(),
-                    ))
+                    result.alarms.append(
+                        PooledAlarm(
+                            step=step,
+                            family=family,
+                            level="layer",
+                            kind="nonfinite",
+                            layers=(layer,),
+                            members=(obs.member,),
+                            statistic=math.nan,
+                            threshold=math.nan,
+                            change_step=None,
+                            reason=f"non-finite {family} value in layer {layer} {obs.member}".strip(),
+                        )
+                    )
                     restart_layers.add(layer)
                     continue
                 prediction = trend.predict()
@@ -284,11 +294,20 @@ class PooledCusumDetector:
                         run = self._limit_runs.get(key, 0) + 1
                         self._limit_runs[key] = run
                         if run == cfg.limit_patience:
-                            result.alarms.append(PooledAlarm(
-                                step=step, family=family, level="layer", kind="limit", layers=(layer,),
-                                members=(obs.member,), statistic=obs.value, threshold=obs.limit,
-                                change_step=None, reason=obs.limit_reason,
-                            ))
+                            result.alarms.append(
+                                PooledAlarm(
+                                    step=step,
+                                    family=family,
+                                    level="layer",
+                                    kind="limit",
+                                    layers=(layer,),
+                                    members=(obs.member,),
+                                    statistic=obs.value,
+                                    threshold=obs.limit,
+                                    change_step=None,
+                                    reason=obs.limit_reason,
+                                )
+                            )
                         continue
                     self._limit_runs[key] = 0
                     to_accept.append((key, obs.value))
@@ -307,11 +326,19 @@ class PooledCusumDetector:
             result.statistics[f"{family}/residual/layer_{layer}"] = u
             result.statistics[f"{family}/cusum/layer_{layer}"] = cusum.value
             if cusum.value > levels.layer.alarm:
-                result.alarms.append(PooledAlarm(
-                    step=step, family=family, level="layer", kind="cusum", layers=(layer,),
-                    members=self._carriers(residuals[layer]), statistic=cusum.value,
-                    threshold=levels.layer.alarm, change_step=cusum.last_zero_step,
-                ))
+                result.alarms.append(
+                    PooledAlarm(
+                        step=step,
+                        family=family,
+                        level="layer",
+                        kind="cusum",
+                        layers=(layer,),
+                        members=self._carriers(residuals[layer]),
+                        statistic=cusum.value,
+                        threshold=levels.layer.alarm,
+                        change_step=cusum.last_zero_step,
+                    )
+                )
                 restart_layers.add(layer)
             elif cusum.value > levels.layer.warning:
                 result.warnings.append((family, layer))
@@ -325,11 +352,19 @@ class PooledCusumDetector:
             if family_cusum.value > levels.family.alarm:
                 carriers = sorted(layer_u, key=lambda L: (-layer_u[L], L))
                 named = tuple(L for L in carriers if layer_u[L] >= cfg.name_members_above) or tuple(carriers[:1])
-                result.alarms.append(PooledAlarm(
-                    step=step, family=family, level="family", kind="cusum", layers=named,
-                    members=self._carriers(residuals[named[0]]), statistic=family_cusum.value,
-                    threshold=levels.family.alarm, change_step=family_cusum.last_zero_step,
-                ))
+                result.alarms.append(
+                    PooledAlarm(
+                        step=step,
+                        family=family,
+                        level="family",
+                        kind="cusum",
+                        layers=named,
+                        members=self._carriers(residuals[named[0]]),
+                        statistic=family_cusum.value,
+                        threshold=levels.family.alarm,
+                        change_step=family_cusum.last_zero_step,
+                    )
+                )
                 restart_family = True
             elif family_cusum.value > levels.family.warning:
                 result.warnings.append((family, None))
@@ -388,5 +423,3 @@ class PooledCusumDetector:
         self._family_cusums = {f: _Cusum(float(v), z) for f, v, z in state["family_cusums"]}
         self._last_step = state["last_step"]
         self.first_alarm_steps = {k: int(v) for k, v in state["first_alarm_steps"].items()}
-
-

@@ -115,7 +115,7 @@ class RobustTrend:
             fitted = [center] * n
         else:
             half = n // 2
-            old, new = xs[: n - half], xs[n - half:]
+            old, new = xs[: n - half], xs[n - half :]
             c_old = (len(old) - 1) / 2.0
             c_new = (n - half) + (half - 1) / 2.0
             m_old, m_new = statistics.median(old), statistics.median(new)

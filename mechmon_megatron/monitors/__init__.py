@@ -4,7 +4,9 @@
 * ``qk_increment``: per-head singular values of the QK increments Delta1, Delta2, Delta3.
 * ``update_spectrum``: singular values of a weight increment dW (exact or randomized).
 * ``router``: full-softmax routing entropy, router-weight similarity, load statistics.
-* ``symptom_baselines``: the symptom-level rules users run today (loss / grad-norm spikes).
+
+The formulas are stated in docs/METHOD.md. (The symptom-level rules the monitors are compared
+with live in the research package, ``mechmon_megatron.research.baselines``.)
 """
 
 from mechmon_megatron.monitors.qk_increment import qk_increment_singular_values
@@ -19,26 +21,14 @@ from mechmon_megatron.monitors.router import (
     summarize_routing,
 )
 from mechmon_megatron.monitors.spectral import spectral_stats
-from mechmon_megatron.monitors.symptom_baselines import (
-    FoundrySpikeRule,
-    GrowthRule,
-    MegatronSpikeRule,
-    OlmoSpikeRule,
-    RunningMeanRelativeRule,
-    SymptomRule,
-    build_symptom_rules,
+from mechmon_megatron.monitors.update_spectrum import (
+    per_head_update_singular_values,
+    tail_energy,
+    update_singular_values,
 )
-from mechmon_megatron.monitors.update_spectrum import per_head_update_singular_values, tail_energy, update_singular_values
 
 __all__ = [
-    "FoundrySpikeRule",
-    "GrowthRule",
-    "MegatronSpikeRule",
-    "OlmoSpikeRule",
     "RouterEntropySummary",
-    "RunningMeanRelativeRule",
-    "SymptomRule",
-    "build_symptom_rules",
     "expert_load",
     "load_fractions",
     "max_violation",

@@ -1,4 +1,4 @@
-"""Singular values of the bilinear QK increments Delta1/2/3 per attention head (PAPER.md 1a).
+"""Singular values of the bilinear QK increments Delta1/2/3 per attention head (docs/METHOD.md sections 3-4).
 
 Naming convention (paper layout vs Megatron layout):
 

@@ -1,6 +1,6 @@
 """MoE router monitors: routing entropy, router-weight similarity, load statistics.
 
-Mechanism (PAPER.md section 1b): a "stable winner" feedback loop collapses routing diversity.
+Mechanism (docs/METHOD.md section 6): a "stable winner" feedback loop collapses routing diversity.
 The full-softmax routing entropy falls, and the router weight rows become more similar, before
 discrete signals (top-k counts, load imbalance) change.
 

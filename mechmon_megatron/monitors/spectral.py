@@ -1,4 +1,4 @@
-"""Spectral statistics of a singular-value spectrum (PAPER.md section 1a).
+"""Spectral statistics of a singular-value spectrum (docs/METHOD.md section 2).
 
 For a matrix ``M`` with singular values ``s_1 >= ... >= s_r >= 0``:
 

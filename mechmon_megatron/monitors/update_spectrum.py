@@ -1,4 +1,4 @@
-"""Singular spectra of weight increments ``dW = W(t) - W(t - delta)`` (PAPER.md section 1a).
+"""Singular spectra of weight increments ``dW = W(t) - W(t - delta)`` (docs/METHOD.md section 5).
 
 Two entry points:
 

@@ -10,9 +10,13 @@ from typing import Optional
 ALERT_FILENAME = "mechmon_alert.json"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Alert:
-    """One alarm, attributed to a monitor family, a global layer and (for attention) a head."""
+    """One alarm, attributed to a monitor family, a global layer and (for attention) a head.
+
+    Built with keywords only (ten fields). ``layer`` is the global 1-based layer number (None
+    for job-wide alarms such as a drill), ``first_warning_step`` the first check of the episode.
+    """
 
     iteration: int
     family: str
@@ -36,7 +40,8 @@ class Alert:
             detail += ", no baseline yet (detector warm-up)"
         if self.threshold is not None:
             detail += f", threshold {self.threshold:.6g}"
-        return f"[mechmon] ALARM at iteration {self.iteration}: {self.family} {where} ({self.stream}): {detail}. {self.reason}".strip()
+        head = f"[mechmon] ALARM at iteration {self.iteration}: {self.family} {where} ({self.stream})"
+        return f"{head}: {detail}. {self.reason}".strip()
 
 
 @dataclass

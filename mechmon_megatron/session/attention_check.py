@@ -7,7 +7,6 @@ the full-matrix dW). Pure torch, no host imports.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal, Optional
 
 import torch
@@ -17,52 +16,10 @@ from mechmon_megatron.monitors.spectral import spectral_stats
 from mechmon_megatron.monitors.update_spectrum import per_head_update_singular_values, update_singular_values
 from mechmon_megatron.session import names
 from mechmon_megatron.session.host import FullQK, QKWeights
+from mechmon_megatron.session.records import CheckOutput, NonFinite, Partial, Stream
 
 ATTN_DELTA2 = "attn_delta2"
 ATTN_DW = "attn_dw"
-
-
-@dataclass
-class Stream:
-    """One detector input: a named series value at this check, with its attribution."""
-
-    name: str
-    family: str
-    value: float
-    layer_number: int
-    head: Optional[int] = None
-    limit: Optional[float] = None
-    """Absolute limit in stream units (out of band beyond it until the stream has a baseline), or None."""
-    limit_reason: str = ""
-    """What crossing ``limit`` means, for the alert."""
-
-
-Partial = tuple  # (reduction: "mean" | "min" | "value", value or sum, count)
-
-
-@dataclass
-class CheckOutput:
-    """``scalars`` maps a scalar name to a partial ``(reduction, value_or_sum, count)``."""
-
-    scalars: dict[str, Partial]
-    streams: list[Stream]
-    nonfinite: list[str]
-
-
-def merge_partials(partials: list[dict[str, Partial]]) -> dict[str, float]:
-    """Combine the partials of all ranks into final scalar values (writer side)."""
-    acc: dict[str, list] = {}
-    for part in partials:
-        for name, (kind, value, count) in part.items():
-            if name not in acc:
-                acc[name] = [kind, value, count]
-            elif kind == "mean":
-                acc[name][1] += value
-                acc[name][2] += count
-            elif kind == "min":
-                acc[name][1] = min(acc[name][1], value)
-            # "value": produced by exactly one rank; a duplicate would be identical.
-    return {name: (v / c if kind == "mean" else v) for name, (kind, v, c) in acc.items()}
 
 
 def snapshot_heads(weights: QKWeights, device: Optional[torch.device]) -> QKWeights:
@@ -96,7 +53,7 @@ def check_heads(
 ) -> CheckOutput:
     """Delta1/2/3 and per-head dW spectra for the heads one rank reports."""
     if not _finite(now.wq, now.wk):
-        return CheckOutput({}, [], [f"layer {layer_number}: non-finite Q/K weights"])
+        return CheckOutput(nonfinite=[NonFinite(layer_number, f"layer {layer_number}: non-finite Q/K weights")])
     wq_prev, wk_prev = prev.wq.to(now.wq.device), prev.wk.to(now.wk.device)
     spectra = qk_increment_singular_values(wq_prev, wk_prev, now.wq, now.wk, method=method)
     stats = {key: spectral_stats(values, alpha=alpha) for key, values in spectra.items()}
@@ -108,48 +65,52 @@ def check_heads(
     n_heads, n_groups = float(len(heads)), float(now.wk.shape[0])
     ratio = stats["delta3"]["fro_norm"] / d2["fro_norm"].clamp_min(torch.finfo(torch.float64).tiny)
     # Partials, merged on the writer over the TP ranks that share a layer (see merge_partials).
-    scalars = {
-        names.attn("delta2_entropy", layer_number): ("mean", float(d2["entropy"].sum()), n_heads),
-        names.attn("delta2_entropy_min", layer_number): ("min", float(d2["entropy"].min()), 1.0),
-        names.attn("delta2_norm_entropy", layer_number): ("mean", float(d2["normalized_entropy"].sum()), n_heads),
-        names.attn("delta2_eff_rank", layer_number): ("mean", float(d2["effective_rank"].sum()), n_heads),
-        names.attn("delta1_entropy", layer_number): ("mean", float(stats["delta1"]["entropy"].sum()), n_heads),
-        names.attn("delta3_entropy", layer_number): ("mean", float(stats["delta3"]["entropy"].sum()), n_heads),
-        names.attn("delta3_to_delta2", layer_number): ("mean", float(ratio.sum()), n_heads),
-        names.attn("dwq_head_entropy", layer_number): ("mean", float(dwq["entropy"].sum()), n_heads),
+    scalars: dict[str, Partial] = {
+        names.attn("delta2_entropy", layer_number): Partial("mean", float(d2["entropy"].sum()), n_heads),
+        names.attn("delta2_entropy_min", layer_number): Partial("min", float(d2["entropy"].min())),
+        names.attn("delta2_norm_entropy", layer_number): Partial(
+            "mean", float(d2["normalized_entropy"].sum()), n_heads
+        ),
+        names.attn("delta2_eff_rank", layer_number): Partial("mean", float(d2["effective_rank"].sum()), n_heads),
+        names.attn("delta1_entropy", layer_number): Partial("mean", float(stats["delta1"]["entropy"].sum()), n_heads),
+        names.attn("delta3_entropy", layer_number): Partial("mean", float(stats["delta3"]["entropy"].sum()), n_heads),
+        names.attn("delta3_to_delta2", layer_number): Partial("mean", float(ratio.sum()), n_heads),
+        names.attn("dwq_head_entropy", layer_number): Partial("mean", float(dwq["entropy"].sum()), n_heads),
         # With fewer query groups than TP ranks a group is replicated on tp/ng ranks; every group
         # is replicated equally often, so sum/count is still the exact mean over groups.
-        names.attn("dwk_head_entropy", layer_number): ("mean", float(dwk["entropy"].sum()), n_groups),
+        names.attn("dwk_head_entropy", layer_number): Partial("mean", float(dwk["entropy"].sum()), n_groups),
     }
-    streams = []
+    streams: list[Stream] = []
     for i, head in enumerate(heads):
         value = float(d2["entropy"][i]) if bool(d2["valid"][i]) else float("nan")
         if not bool(d2["valid"][i]) and float(d2["fro_norm"][i]) == 0.0:
             continue  # no update in the window (e.g. frozen layer): nothing to judge
-        streams.append(Stream(names.attn("delta2_entropy", layer_number, head), ATTN_DELTA2, value, layer_number, head))
+        streams.append(Stream(name=names.attn("delta2_entropy", layer_number, head), family=ATTN_DELTA2, value=value,
+                              layer_number=layer_number, head=head))
         if per_head_scalars:
-            scalars[names.attn("delta2_entropy", layer_number, head)] = ("value", value, 1.0)
-    return CheckOutput(scalars, streams, [])
+            scalars[names.attn("delta2_entropy", layer_number, head)] = Partial("value", value)
+    return CheckOutput(scalars=scalars, streams=streams)
 
 
 def check_full(layer_number: int, prev: FullQK, now: FullQK, alpha: float) -> CheckOutput:
     """Full-matrix dW_q / dW_k spectra of one layer (exact SVD), on its owning rank."""
     if not _finite(now.wq, now.wk):
-        return CheckOutput({}, [], [f"layer {layer_number}: non-finite Q/K weights"])
+        return CheckOutput(nonfinite=[NonFinite(layer_number, f"layer {layer_number}: non-finite Q/K weights")])
     dq = update_singular_values(prev.wq.to(now.wq.device), now.wq)
     dk = update_singular_values(prev.wk.to(now.wk.device), now.wk)
     sq = spectral_stats(dq["singular_values"], alpha=alpha)
     sk = spectral_stats(dk["singular_values"], alpha=alpha)
     wq_norm = torch.linalg.matrix_norm(now.wq.double(), ord=2)
-    scalars = {
-        names.attn("dw_entropy", layer_number): ("value", float(sq["entropy"]), 1.0),
-        names.attn("dwk_entropy", layer_number): ("value", float(sk["entropy"]), 1.0),
-        names.attn("dw_stable_rank", layer_number): ("value", float(sq["stable_rank"]), 1.0),
-        names.attn("dw_fro_norm", layer_number): ("value", float(dq["fro_norm"]), 1.0),
-        names.attn("wq_spectral_norm", layer_number): ("value", float(wq_norm), 1.0),
+    scalars: dict[str, Partial] = {
+        names.attn("dw_entropy", layer_number): Partial("value", float(sq["entropy"])),
+        names.attn("dwk_entropy", layer_number): Partial("value", float(sk["entropy"])),
+        names.attn("dw_stable_rank", layer_number): Partial("value", float(sq["stable_rank"])),
+        names.attn("dw_fro_norm", layer_number): Partial("value", float(dq["fro_norm"])),
+        names.attn("wq_spectral_norm", layer_number): Partial("value", float(wq_norm)),
     }
-    streams = []
+    streams: list[Stream] = []
     for metric, stat in (("dw_entropy", sq), ("dwk_entropy", sk)):
         if bool(stat["valid"]):
-            streams.append(Stream(names.attn(metric, layer_number), ATTN_DW, float(stat["entropy"]), layer_number))
-    return CheckOutput(scalars, streams, [])
+            streams.append(Stream(name=names.attn(metric, layer_number), family=ATTN_DW, value=float(stat["entropy"]),
+                                  layer_number=layer_number))
+    return CheckOutput(scalars=scalars, streams=streams)

@@ -12,7 +12,12 @@ from typing import Literal, Optional, Union
 
 MONITOR_FAMILIES = ("attn", "router")
 ACTIONS = ("log", "warn", "checkpoint-and-abort")
-RESERVED_EXIT_CODES = {0: "success", 1: "generic Python failure", 16: "Megatron rerun machine", 17: "Megatron rerun machine"}
+RESERVED_EXIT_CODES = {
+    0: "success",
+    1: "generic Python failure",
+    16: "Megatron rerun machine",
+    17: "Megatron rerun machine",
+}
 
 
 @dataclass(kw_only=True)
@@ -101,21 +106,31 @@ class MechmonConfig:
         _require(not unknown, "monitors", f"unknown families {unknown}; choose from {list(MONITOR_FAMILIES)}")
         _require(len(self.monitors) > 0, "monitors", "must name at least one family")
         _require(self.alpha > 0, "alpha", f"must be > 0, got {self.alpha}")
-        _require(self.qk_method in ("gram", "compressed"), "qk-method", f"must be gram or compressed, got {self.qk_method!r}")
+        _require(
+            self.qk_method in ("gram", "compressed"), "qk-method", f"must be gram or compressed, got {self.qk_method!r}"
+        )
         _require(self.action in ACTIONS, "action", f"must be one of {list(ACTIONS)}, got {self.action!r}")
         _require(
             self.exit_code not in RESERVED_EXIT_CODES and 0 < self.exit_code < 256,
             "exit-code",
             f"must be in 2..255 and not 16 or 17 (reserved: {RESERVED_EXIT_CODES}), got {self.exit_code}",
         )
-        _require(self.snapshot_device in ("auto", "cpu"), "snapshot-device", f"must be auto or cpu, got {self.snapshot_device!r}")
+        _require(
+            self.snapshot_device in ("auto", "cpu"),
+            "snapshot-device",
+            f"must be auto or cpu, got {self.snapshot_device!r}",
+        )
         _require(self.drill_at is None or self.drill_at >= 1, "drill-at", f"must be >= 1, got {self.drill_at}")
         _require(self.router_entropy_bins >= 8, "router-entropy-bins", f"must be >= 8, got {self.router_entropy_bins}")
         self.router_min_effective_experts = _effective_experts_setting(self.router_min_effective_experts)
         _require(self.detector_warmup >= 2, "detector-warmup", f"must be >= 2, got {self.detector_warmup}")
         _require(self.detector_window >= 2, "detector-window", f"must be >= 2, got {self.detector_window}")
         _require(self.detector_num_mads > 0, "detector-num-mads", f"must be > 0, got {self.detector_num_mads}")
-        _require(self.detector_min_rel_change >= 0, "detector-min-rel-change", f"must be >= 0, got {self.detector_min_rel_change}")
+        _require(
+            self.detector_min_rel_change >= 0,
+            "detector-min-rel-change",
+            f"must be >= 0, got {self.detector_min_rel_change}",
+        )
         _require(self.detector_patience >= 1, "detector-patience", f"must be >= 1, got {self.detector_patience}")
 
     def router_entropy_floor(self, num_experts: int, topk: int) -> Optional[float]:
@@ -156,7 +171,9 @@ def _effective_experts_setting(value: Union[float, str]) -> Union[float, str]:
         try:
             value = float(text)
         except ValueError:
-            _require(False, "router-min-effective-experts", f"must be topk, off, 0 or a number >= 1, got {value!r}")
+            raise ValueError(
+                f"--mechmon-router-min-effective-experts must be topk, off, 0 or a number >= 1, got {value!r}"
+            ) from None
     _require(
         not isinstance(value, bool) and math.isfinite(value) and (value == 0 or value >= 1),
         "router-min-effective-experts",

@@ -50,14 +50,17 @@ def stream_family(name: str) -> Optional[str]:
     return parsed[0] if parsed else None
 
 
-def observation(name: str, value: float, limit: Optional[float] = None, limit_reason: str = "") -> Optional[Observation]:
+def observation(
+    name: str, value: float, limit: Optional[float] = None, limit_reason: str = ""
+) -> Optional[Observation]:
     """The detector observation of one named stream value (None if not a detector stream)."""
     parsed = _parse(name)
     if parsed is None:
         return None
     family, layer, member = parsed
-    return Observation(family=family, layer=layer, member=member, value=float(value), limit=limit,
-                       limit_reason=limit_reason)
+    return Observation(
+        family=family, layer=layer, member=member, value=float(value), limit=limit, limit_reason=limit_reason
+    )
 
 
 def observations_from_scalars(scalars: Mapping[str, float]) -> list[Observation]:

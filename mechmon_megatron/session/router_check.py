@@ -4,7 +4,7 @@ The routing-entropy stream carries an absolute floor besides its baseline-relati
 ``log(m)`` nats, where ``m`` is the minimum effective number of experts per token
 (``--mechmon-router-min-effective-experts``, default the router's top-k). exp(mean entropy) below
 top-k means tokens put their routing probability on fewer experts than each is dispatched to,
-the signature of the stable-winner loop (PAPER.md 1b). The floor stands in for the baseline
+the signature of the stable-winner loop (docs/METHOD.md section 6). The floor stands in for the baseline
 while there is none (``detect.baseline_relative``): it catches a collapse that starts with
 training, which the warm-up would otherwise absorb; a healthy router that forms its baseline and
 later sharpens slowly is judged against that baseline only.
@@ -24,8 +24,8 @@ from mechmon_megatron.monitors.router import (
     summarize_routing,
 )
 from mechmon_megatron.session import names
-from mechmon_megatron.session.attention_check import CheckOutput, Stream
 from mechmon_megatron.session.host import RouterSite
+from mechmon_megatron.session.records import CheckOutput, NonFinite, Partial, Stream
 
 ROUTER_ENTROPY = "router_entropy"
 ROUTER_WEIGHTS = "router_weights"
@@ -59,22 +59,24 @@ def router_output(
     ``entropy_floor``: absolute floor of the mean routing entropy in nats (None: none).
     """
     if not site.reports:
-        return CheckOutput({}, [], [])
+        return CheckOutput()
     total = RouterEntropySummary.from_flat_tensor(flat.cpu(), site.num_experts, num_bins)
     layer = site.layer_number
     weight = site.weight().detach()
     if not bool(torch.isfinite(weight).all()):
-        return CheckOutput({}, [], [f"layer {layer}: non-finite router weights"])
+        return CheckOutput(nonfinite=[NonFinite(layer, f"layer {layer}: non-finite router weights")])
     similarity = float(router_weight_similarity(weight))
     eps = float(router_conditioning_ratio(weight))
-    scalars: dict = {
-        names.router("weight_similarity", layer): ("value", similarity, 1.0),
-        names.router("eps", layer): ("value", eps, 1.0),
+    scalars: dict[str, Partial] = {
+        names.router("weight_similarity", layer): Partial("value", similarity),
+        names.router("eps", layer): Partial("value", eps),
     }
-    streams = [Stream(names.router("weight_similarity", layer), ROUTER_WEIGHTS, similarity, layer)]
-    nonfinite = []
+    streams = [Stream(name=names.router("weight_similarity", layer), family=ROUTER_WEIGHTS, value=similarity,
+                      layer_number=layer)]
+    nonfinite: list[NonFinite] = []
     if float(total.num_nonfinite) > 0:
-        nonfinite.append(f"layer {layer}: {int(total.num_nonfinite)} tokens with non-finite router logits")
+        message = f"layer {layer}: {int(total.num_nonfinite)} tokens with non-finite router logits"
+        nonfinite.append(NonFinite(layer, message))
     if float(total.num_tokens) > 0:
         stats = total.finalize()
         for key, metric in (
@@ -87,19 +89,19 @@ def router_output(
             ("load_fraction_min", "load_fraction_min"),
             ("load_fraction_max", "load_fraction_max"),
         ):
-            scalars[names.router(metric, layer)] = ("value", float(stats[key]), 1.0)
+            scalars[names.router(metric, layer)] = Partial("value", float(stats[key]))
         entropy = float(stats["token_entropy_mean"])
-        scalars[names.router("effective_experts", layer)] = ("value", math.exp(entropy), 1.0)
+        scalars[names.router("effective_experts", layer)] = Partial("value", math.exp(entropy))
         limit_reason = ""
         if entropy_floor is not None:
-            scalars[names.router("token_entropy_floor", layer)] = ("value", entropy_floor, 1.0)
+            scalars[names.router("token_entropy_floor", layer)] = Partial("value", entropy_floor)
             limit_reason = (
                 f"routing spreads over exp(H) = {math.exp(entropy):.3g} effective experts per token, below "
                 f"the floor {math.exp(entropy_floor):.3g} (top-k {site.topk} of {site.num_experts}): tokens "
                 "concentrate on fewer experts than they are dispatched to (stable-winner collapse)"
             )
         streams.append(
-            Stream(names.router("token_entropy", layer), ROUTER_ENTROPY, entropy, layer,
+            Stream(name=names.router("token_entropy", layer), family=ROUTER_ENTROPY, value=entropy, layer_number=layer,
                    limit=entropy_floor, limit_reason=limit_reason)
         )
-    return CheckOutput(scalars, streams, nonfinite)
+    return CheckOutput(scalars=scalars, streams=streams, nonfinite=nonfinite)

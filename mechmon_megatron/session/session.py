@@ -28,16 +28,10 @@ import torch
 from mechmon_megatron.detect import DetectorBank, DetectorConfig, default_detector_configs
 from mechmon_megatron.session import names
 from mechmon_megatron.session.alert import Alert, AlertReport
-from mechmon_megatron.session.attention_check import (
-    CheckOutput,
-    check_full,
-    check_heads,
-    merge_partials,
-    snapshot_full,
-    snapshot_heads,
-)
+from mechmon_megatron.session.attention_check import check_full, check_heads, snapshot_full, snapshot_heads
 from mechmon_megatron.session.config import MechmonConfig
 from mechmon_megatron.session.host import AttentionSite, Communicator, LocalCommunicator, RouterSite
+from mechmon_megatron.session.records import CheckOutput, merge_partials
 from mechmon_megatron.session.router_check import empty_vector, local_router_vector, router_output
 from mechmon_megatron.session.writers import ScalarWriter, WriterGroup
 
@@ -186,7 +180,9 @@ class MonitoringSession:
         if not self.enabled or not state:
             return
         if state.get("version") != STATE_VERSION:
-            raise ValueError(f"mechmon state version {state.get('version')} is not supported (expected {STATE_VERSION})")
+            raise ValueError(
+                f"mechmon state version {state.get('version')} is not supported (expected {STATE_VERSION})"
+            )
         self.detectors.load_state_dict(state["detectors"])
         self.checkpoints = list(state.get("checkpoints", []))
         self.errors = int(state.get("errors", 0))
@@ -240,23 +236,34 @@ class MonitoringSession:
         for index, site in enumerate(sites):
             full = site.read_full()  # collectives first, unconditionally, in site order
             heads = site.read_heads()
+            assert snapshot is not None  # `sites` is empty without a snapshot
             prev_heads, prev_full = snapshot[index]
             if heads is not None and prev_heads is not None:
-                outputs.append(self._guard(check_heads, site.layer_number, prev_heads, heads, cfg.alpha, cfg.qk_method, cfg.per_head_scalars))
+                outputs.append(
+                    self._guard(
+                        check_heads,
+                        site.layer_number,
+                        prev_heads,
+                        heads,
+                        cfg.alpha,
+                        cfg.qk_method,
+                        cfg.per_head_scalars,
+                    )
+                )
             if full is not None and prev_full is not None:
                 outputs.append(self._guard(check_full, site.layer_number, prev_full, full, cfg.alpha))
-        for site, floor in zip(self.router_sites, self._router_floors):
-            local = self._guard(local_router_vector, site, cfg.router_entropy_bins)
-            site.captured_logits.clear()
+        for router, floor in zip(self.router_sites, self._router_floors):
+            local = self._guard(local_router_vector, router, cfg.router_entropy_bins)
+            router.captured_logits.clear()
             # The all-reduce runs on every rank even if this rank's summary failed.
-            flat = site.reduce_sum(local if local is not None else empty_vector(site, cfg.router_entropy_bins))
-            outputs.append(self._guard(router_output, site, flat, cfg.router_entropy_bins, floor))
+            flat = router.reduce_sum(local if local is not None else empty_vector(router, cfg.router_entropy_bins))
+            outputs.append(self._guard(router_output, router, flat, cfg.router_entropy_bins, floor))
         outputs = [o for o in outputs if o is not None]
 
         payload = {
             "scalars": [o.scalars for o in outputs],
             "streams": [s for o in outputs for s in o.streams],
-            "nonfinite": [msg for o in outputs for msg in o.nonfinite],
+            "nonfinite": [report for o in outputs for report in o.nonfinite],
             "errors": self.errors,
             # Session time since the previous check: snapshots in between plus this check so far.
             "overhead_s": self._overhead_s + (time.perf_counter() - self._step_start),
@@ -265,6 +272,7 @@ class MonitoringSession:
         flag = _NO_ALARM
         alerts: list[Alert] = []
         if self.comm.is_writer:
+            assert gathered is not None  # the writer receives every rank's payload
             try:
                 alerts = self._decide(iteration, gathered, drill)
             except Exception:  # noqa: BLE001
@@ -288,8 +296,21 @@ class MonitoringSession:
         alerts: list[Alert] = [_drill_alert(iteration)] if drill else []
         warnings = 0
         for payload in gathered:
-            for message in payload["nonfinite"]:
-                alerts.append(Alert(iteration, "nonfinite", "weights", _layer_of(message), None, float("nan"), None, None, iteration, message))
+            for report in payload["nonfinite"]:
+                alerts.append(
+                    Alert(
+                        iteration=iteration,
+                        family="nonfinite",
+                        stream="weights",
+                        layer=report.layer_number,
+                        head=None,
+                        value=float("nan"),
+                        baseline=None,
+                        threshold=None,
+                        first_warning_step=iteration,
+                        reason=report.message,
+                    )
+                )
             for stream in payload["streams"]:
                 event = self.detectors.update(
                     stream.name, iteration, stream.value, family=stream.family, limit=stream.limit
@@ -299,16 +320,16 @@ class MonitoringSession:
                 elif event.fired:  # the first check of an alarm episode; re-arm gates the next
                     alerts.append(
                         Alert(
-                            iteration,
-                            stream.family,
-                            stream.name,
-                            stream.layer_number,
-                            stream.head,
-                            stream.value,
-                            _finite_or_none(event.baseline),
-                            _finite_or_none(event.threshold),
-                            event.first_warning_step,
-                            stream.limit_reason if event.beyond_limit else
+                            iteration=iteration,
+                            family=stream.family,
+                            stream=stream.name,
+                            layer=stream.layer_number,
+                            head=stream.head,
+                            value=stream.value,
+                            baseline=_finite_or_none(event.baseline),
+                            threshold=_finite_or_none(event.threshold),
+                            first_warning_step=event.first_warning_step,
+                            reason=stream.limit_reason if event.beyond_limit else
                             "spectral collapse / routing collapse relative to this run's own baseline",
                         )
                     )
@@ -336,15 +357,19 @@ class MonitoringSession:
 
 
 def _drill_alert(iteration: int) -> Alert:
-    return Alert(iteration, "drill", "drill", None, None, 0.0, None, None, iteration, "rehearsal requested by --mechmon-drill-at")
+    return Alert(
+        iteration=iteration,
+        family="drill",
+        stream="drill",
+        layer=None,
+        head=None,
+        value=0.0,
+        baseline=None,
+        threshold=None,
+        first_warning_step=iteration,
+        reason="rehearsal requested by --mechmon-drill-at",
+    )
 
 
 def _finite_or_none(x: float) -> Optional[float]:
     return x if math.isfinite(x) else None
-
-
-def _layer_of(message: str) -> Optional[int]:
-    try:
-        return int(message.split(":")[0].split()[-1])
-    except (ValueError, IndexError):
-        return None

@@ -27,7 +27,7 @@ class TensorBoardScalarWriter:
         self._owns = owns
 
     @classmethod
-    def in_directory(cls, log_dir: str) -> "TensorBoardScalarWriter":
+    def in_directory(cls, log_dir: str) -> TensorBoardScalarWriter:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:  # tensorboard is an optional dependency

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import csv
+import sys
 from pathlib import Path
 from typing import Sequence
 
-import sys
-
-from tests.mcore._torchrun import REPO_ROOT, TorchrunResult, _launch, free_port, run_torchrun
+from tests.megatron_core._torchrun import REPO_ROOT, TorchrunResult, _launch, free_port, run_torchrun
 
 SCRIPT = REPO_ROOT / "examples" / "pretrain_scripts" / "deepspeed_moe_mechmon.py"
 JOB_NAME = "deepspeed_moe_mechmon"  # csv_monitor.job_name of ds_config_mechmon.json

@@ -17,9 +17,20 @@ def test_absent_section_is_disabled():
 
 
 def test_full_section_round_trip(tmp_path):
-    section = {"enabled": True, "interval": 10, "delta": 5, "monitors": "router", "alpha": 1, "action": "checkpoint-and-abort",
-               "exit_code": 43, "drill_at": 7, "log_dir": "runs/x", "per_head_scalars": True, "detector_num_mads": 4,
-               "checkpoint_dir": "ckpt"}
+    section = {
+        "enabled": True,
+        "interval": 10,
+        "delta": 5,
+        "monitors": "router",
+        "alpha": 1,
+        "action": "checkpoint-and-abort",
+        "exit_code": 43,
+        "drill_at": 7,
+        "log_dir": "runs/x",
+        "per_head_scalars": True,
+        "detector_num_mads": 4,
+        "checkpoint_dir": "ckpt",
+    }
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_batch_size": 2, "mechmon": section}))
     cfg = config_from_ds_config(path)

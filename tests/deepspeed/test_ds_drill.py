@@ -32,7 +32,9 @@ def test_drill_checkpoint_abort_then_resume(tmp_path: Path):
     step6 = save / "global_step6"
     files = sorted(p.name for p in step6.iterdir())
     # every rank saved its ZeRO partition and its experts (EP rank 0: experts 0-1, rank 1: 2-3)
-    assert any(f.startswith("zero_pp_rank_0_") for f in files) and any(f.startswith("zero_pp_rank_1_") for f in files), files
+    assert any(f.startswith("zero_pp_rank_0_") for f in files) and any(
+        f.startswith("zero_pp_rank_1_") for f in files
+    ), files
     assert sum("expert_" in f for f in files) == 2 * 4, files  # 2 layers x 4 experts
     alert = json.loads((step6 / "mechmon_alert.json").read_text())
     assert alert["iteration"] == 6 and alert["family"] == "drill" and alert["exit_code"] == 42

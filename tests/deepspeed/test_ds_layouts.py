@@ -131,7 +131,9 @@ def test_unknown_layout_one_notice_then_mapping(caplog):
     notices = [r.getMessage() for r in caplog.records if "unknown Q/K layout" in r.getMessage()]
     assert len(notices) == 1 and "layers.0.attn, layers.1.attn" in notices[0] and "attention_mapping" in notices[0]
 
-    mapping = parse_mapping([{"match": "layers.*.attn", "layout": "stacked_qkv", "qkv": "wqkv", "num_heads": HEADS}], "m")
+    mapping = parse_mapping(
+        [{"match": "layers.*.attn", "layout": "stacked_qkv", "qkv": "wqkv", "num_heads": HEADS}], "m"
+    )
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         found = find_attention(model, mapping)

@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from tests.mcore._torchrun import REPO_ROOT
+from tests.megatron_core._torchrun import REPO_ROOT
 
 TOOL = REPO_ROOT / "tools" / "deepspeed_lr_study.py"
 
@@ -30,6 +30,11 @@ def test_lr_study_trains_analyses_and_replays_the_online_alarms(tmp_path):
         replayed = [s for s in r["first_alarm"].values() if s is not None]
         assert r["online_first_alarm"] == (min(replayed) if replayed else None)
     # --analyze-only re-reads the same files and gives the same answer.
-    again = subprocess.run([*cmd[:2], "--lrs", "2e-3,1e-1", "--seeds", "4", "--out", str(out), "--analyze-only", "--json"],
-                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    again = subprocess.run(
+        [*cmd[:2], "--lrs", "2e-3,1e-1", "--seeds", "4", "--out", str(out), "--analyze-only", "--json"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert again.returncode == 0 and json.loads(again.stdout) == runs

@@ -50,8 +50,9 @@ def test_threshold_inverts_the_tail():
 def _table(theta=1.0):
     t = NullTail(u0=0.0, log_p_u0=math.log(0.1), theta=theta, theta_hat=theta, samples=100, exceedances=10)
     fams = {f: {"layer": t, "family": t} for f in ("attn_delta2", "attn_dw", "router_entropy", "router_weights")}
-    return TailTable(tails={1: fams, 5: {f: {"layer": NullTail(0.0, math.log(0.1), theta / 5, theta / 5, 100, 10)}
-                                         for f in fams}})
+    return TailTable(
+        tails={1: fams, 5: {f: {"layer": NullTail(0.0, math.log(0.1), theta / 5, theta / 5, 100, 10)} for f in fams}}
+    )
 
 
 def test_union_bound_over_tests_and_checks():
@@ -64,8 +65,10 @@ def test_union_bound_over_tests_and_checks():
     assert thresholds["attn_delta2"].layer.warning < thresholds["attn_delta2"].layer.alarm
     # expected false alarms under the fitted tails = the rate asked for
     expected = sum(
-        shape.checks_per_million() * math.exp(_table().tails[1][f]["layer"].log_survival(getattr(thresholds[f], lv).alarm))
-        for f, n in shape.layers.items() for lv in (["layer"] * n + (["family"] if n > 1 else []))
+        shape.checks_per_million()
+        * math.exp(_table().tails[1][f]["layer"].log_survival(getattr(thresholds[f], lv).alarm))
+        for f, n in shape.layers.items()
+        for lv in (["layer"] * n + (["family"] if n > 1 else []))
     )
     assert expected == pytest.approx(0.01, rel=1e-6)
 

@@ -42,7 +42,7 @@ def warm(det, layers=(1,), n_heads=4, steps=5, family="attn_delta2"):
 def test_trimmed_mean_matches_brute_force(xs, trim):
     xs_sorted = sorted(xs)
     cut = int(math.floor(trim * len(xs)))
-    kept = xs_sorted[cut:len(xs) - cut] or xs_sorted
+    kept = xs_sorted[cut : len(xs) - cut] or xs_sorted
     assert trimmed_mean(xs, trim) == pytest.approx(sum(kept) / len(kept), rel=1e-9, abs=1e-9)
 
 
@@ -51,7 +51,7 @@ def test_cusum_recursion_and_alarm_with_change_point():
     step = warm(det)
     zs = [3.0, 3.0, 3.0]  # increments u - k = 2 each
     expected = [2.0, 4.0, 6.0]
-    for i, (z, s) in enumerate(zip(zs, expected)):
+    for z, s in zip(zs, expected):
         step += 10
         res = det.update(step, heads(1, [1.0 - 0.01 * z] * 4))
         assert res.statistics["attn_delta2/cusum/layer_1"] == pytest.approx(s)
@@ -111,8 +111,19 @@ def test_suspect_values_stay_out_of_the_baseline_and_alarm_restarts():
 def test_absolute_limit_stands_in_before_the_baseline():
     fam = ("router_entropy",)
     det = PooledCusumDetector(thresholds(families=fam), CFG)
-    obs = lambda v: [Observation(family="router_entropy", layer=2, member="token_entropy", value=v, limit=0.69,
-                                 limit_reason="below log(top-k)")]
+
+    def obs(v):
+        return [
+            Observation(
+                family="router_entropy",
+                layer=2,
+                member="token_entropy",
+                value=v,
+                limit=0.69,
+                limit_reason="below log(top-k)",
+            )
+        ]
+
     assert not det.update(10, obs(0.5)).alarms
     assert not det.update(20, obs(0.5)).alarms
     (alarm,) = det.update(30, obs(0.5)).alarms
@@ -136,8 +147,10 @@ def test_state_round_trip_continues_identically():
     import random
 
     rng = random.Random(0)
-    checks = [(10 * i, heads(1, [1.0 + rng.gauss(0, 0.01) - (0.05 if i > 30 else 0.0) for _ in range(4)]))
-              for i in range(1, 45)]
+    checks = [
+        (10 * i, heads(1, [1.0 + rng.gauss(0, 0.01) - (0.05 if i > 30 else 0.0) for _ in range(4)]))
+        for i in range(1, 45)
+    ]
     a = PooledCusumDetector(thresholds(layer=(3.0, 6.0)), CFG)
     ra = [a.update(s, o) for s, o in checks]
     b = PooledCusumDetector(thresholds(layer=(3.0, 6.0)), CFG)

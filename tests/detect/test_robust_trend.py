@@ -81,8 +81,17 @@ def test_non_finite_values_are_not_accepted():
     assert list(t.values) == [1.0]
 
 
-@pytest.mark.parametrize("kw", [dict(window=3), dict(warmup=0), dict(warmup=60), dict(slope_damping=1.5),
-                                dict(rel_scale_floor=-1.0), dict(min_trend=True)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(window=3),
+        dict(warmup=0),
+        dict(warmup=60),
+        dict(slope_damping=1.5),
+        dict(rel_scale_floor=-1.0),
+        dict(min_trend=True),
+    ],
+)
 def test_bad_config(kw):
     with pytest.raises(ValueError):
         TrendConfig(**kw)

@@ -6,7 +6,7 @@ import glob
 import os
 import shutil
 
-from mechmon_megatron.adapters import megatron_lm_patch as mp
+from mechmon_megatron.adapters.megatron_lm import patch_tool as mp
 
 SOURCES = ("megatron", "pretrain_gpt.py", "gpt_builders.py", "model_provider.py")
 

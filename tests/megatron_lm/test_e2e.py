@@ -19,20 +19,22 @@ import subprocess
 import sys
 
 import pytest
-
 from checkout_utils import copy_patched_checkout
 
-from mechmon_megatron.adapters import megatron_lm_patch as mp
+from mechmon_megatron.adapters.megatron_lm import patch_tool as mp
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR")
 WORLD = 2
+CPU_LAUNCH = [sys.executable, "-m", "mechmon_megatron.testing.megatron_lm_cpu"]  # pretrain_gpt.py on CPU
 EXIT_CODE = 42
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.distributed,
-    pytest.mark.skipif(not MEGATRON_LM_DIR, reason="set MEGATRON_LM_DIR to a Megatron-LM checkout to run the end-to-end test"),
+    pytest.mark.skipif(
+        not MEGATRON_LM_DIR, reason="set MEGATRON_LM_DIR to a Megatron-LM checkout to run the end-to-end test"
+    ),
 ]
 
 TINY_GPT_MOE = [
@@ -69,7 +71,7 @@ def launch(checkout: str, workdir: str, extra: list[str], tag: str) -> tuple[lis
     env = dict(os.environ)
     paths = [checkout, REPO] + [p for p in os.environ.get("MECHMON_E2E_PYTHONPATH", "").split(os.pathsep) if p]
     env.update(
-        PYTHONPATH=os.pathsep.join(paths), MECHMON_CPU_COMPAT="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(paths), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
     )
     common = TINY_GPT_MOE + ["--save", os.path.join(workdir, "ckpt"), "--tensorboard-dir", os.path.join(workdir, "tb")]
@@ -79,7 +81,15 @@ def launch(checkout: str, workdir: str, extra: list[str], tag: str) -> tuple[lis
         logs.append(log)
         rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0")
         with open(log, "w") as out:
-            procs.append(subprocess.Popen([sys.executable, "pretrain_gpt.py"] + common + extra, cwd=checkout, env=rank_env, stdout=out, stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(
+                    CPU_LAUNCH + ["pretrain_gpt.py"] + common + extra,
+                    cwd=checkout,
+                    env=rank_env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
+            )
     try:
         codes = [p.wait(timeout=900) for p in procs]
     finally:
@@ -114,10 +124,17 @@ def test_drill_checkpoints_aborts_and_resumes(checkout, tmp_path):
     assert alert["checkpoint_dir"] == iter_dir
     assert json.load(open(os.path.join(iter_dir, "mechmon_state.json")))["version"] == 1
 
-    events = EventAccumulator(glob.glob(os.path.join(workdir, "tb", "events.out.tfevents.*"))[0], size_guidance={"scalars": 0})
+    events = EventAccumulator(
+        glob.glob(os.path.join(workdir, "tb", "events.out.tfevents.*"))[0], size_guidance={"scalars": 0}
+    )
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    for name in ("mechmon/attn/delta2_entropy/layer_1", "mechmon/router/token_entropy/layer_2", "mechmon/alarm", "lm loss"):
+    for name in (
+        "mechmon/attn/delta2_entropy/layer_1",
+        "mechmon/router/token_entropy/layer_2",
+        "mechmon/alarm",
+        "lm loss",
+    ):
         assert name in tags, sorted(tags)
     assert max(e.value for e in events.Scalars("mechmon/alarm") if e.step == 20) == 1.0
 

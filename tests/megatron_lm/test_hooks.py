@@ -19,6 +19,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 from mechmon_megatron.adapters import megatron_lm as mlm  # noqa: E402
+from mechmon_megatron.adapters.megatron_core import force_param_sync  # noqa: E402
 from mechmon_megatron.cli.args import add_mechmon_args  # noqa: E402
 from mechmon_megatron.session.alert import ALERT_FILENAME  # noqa: E402
 
@@ -136,7 +137,9 @@ def test_resume_restores_detectors_from_load(model_parallel, tmp_path):
     resumed_args = megatron_args(tmp_path, *flags)
     resumed_args.load = args.save
     resumed = mlm.MegatronLMHooks(lambda: resumed_args)
-    resumed.before_step(build()[0], 6)  # fresh chunks (one capture hook per router); Megatron's first train_step after --load at iteration 5
+    resumed.before_step(
+        build()[0], 6
+    )  # fresh chunks (one capture hook per router); Megatron's first train_step after --load at iteration 5
     assert resumed.session.state_dict()["detectors"] == json.loads(json.dumps(saved["detectors"]))
 
 
@@ -172,7 +175,7 @@ def test_force_param_sync_calls_every_ddp_chunk(model_parallel):
     chunks, _ = build(num_experts=None)
     calls = []
     chunks[0].start_param_sync = lambda force_sync=False: calls.append(force_sync)
-    assert mlm.force_param_sync(chunks + [torch.nn.Linear(2, 2)]) == 1 and calls == [True]
+    assert force_param_sync(chunks + [torch.nn.Linear(2, 2)]) == 1 and calls == [True]
 
 
 def test_wrapped_training_module_turns_our_exit_into_the_mechmon_code(model_parallel, tmp_path):

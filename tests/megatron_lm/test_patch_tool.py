@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from mechmon_megatron.adapters import megatron_lm_patch as mp
+from mechmon_megatron.adapters.megatron_lm import patch_tool as mp
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PATCHES = os.path.join(REPO, "patches", "megatron-lm")

@@ -22,7 +22,6 @@ import sys
 import time
 
 import pytest
-
 from checkout_utils import copy_patched_checkout
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -32,7 +31,10 @@ MISSING = [d for d in DAEMONS if shutil.which(d) is None]
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(bool(MISSING), reason=f"SLURM/munge not installed ({', '.join(MISSING)} missing): apt-get install slurm-wlm munge"),
+    pytest.mark.skipif(
+        bool(MISSING),
+        reason=f"SLURM/munge not installed ({', '.join(MISSING)} missing): apt-get install slurm-wlm munge",
+    ),
     pytest.mark.skipif(not MEGATRON_LM_DIR, reason="set MEGATRON_LM_DIR to a Megatron-LM checkout"),
     pytest.mark.skipif(os.geteuid() != 0, reason="the throwaway cluster runs its daemons as root"),
 ]
@@ -86,13 +88,35 @@ def cluster(tmp_path):
     # Our own munged (root, --force: the temporary directory is private) on our own socket;
     # slurm finds it through AuthInfo.
     conf.write_text(conf.read_text() + f"AuthInfo=socket={sock}\n")
-    start(["munged", "-F", "--force", "--key-file", str(key), "--socket", str(sock), "--pid-file", str(base / "munge" / "munged.pid"),
-           "--log-file", str(base / "munge" / "munged.log"), "--seed-file", str(base / "munge" / "munged.seed")])
+    start(
+        [
+            "munged",
+            "-F",
+            "--force",
+            "--key-file",
+            str(key),
+            "--socket",
+            str(sock),
+            "--pid-file",
+            str(base / "munge" / "munged.pid"),
+            "--log-file",
+            str(base / "munge" / "munged.log"),
+            "--seed-file",
+            str(base / "munge" / "munged.seed"),
+        ]
+    )
     _wait_for(sock.exists, 20, "munged socket")
     start(["slurmctld", "-D", "-f", str(conf)])
     start(["slurmd", "-D", "-f", str(conf)])
     try:
-        _wait_for(lambda: subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True).stdout.strip() in ("idle", "idle*"), 60, "idle node")
+        _wait_for(
+            lambda: (
+                subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True).stdout.strip()
+                in ("idle", "idle*")
+            ),
+            60,
+            "idle node",
+        )
         yield env, base
     finally:
         for proc in reversed(procs):
@@ -123,16 +147,31 @@ def test_sbatch_abort_exits_42_and_is_not_requeued(cluster, tmp_path):
     )
     out = tmp_path / "job.out"
     submitted = subprocess.run(
-        ["sbatch", "--parsable", f"--output={out}", "--time=30", os.path.join(REPO, "examples", "pretrain_scripts", "pretrain_gpt_mechmon.sbatch"),
-         "--mechmon-drill-at", "20"],
-        env=job_env, cwd=str(tmp_path), capture_output=True, text=True, check=True,
+        [
+            "sbatch",
+            "--parsable",
+            f"--output={out}",
+            "--time=30",
+            os.path.join(REPO, "examples", "pretrain_scripts", "pretrain_gpt_mechmon.sbatch"),
+            "--mechmon-drill-at",
+            "20",
+        ],
+        env=job_env,
+        cwd=str(tmp_path),
+        capture_output=True,
+        text=True,
+        check=True,
     )
     job = submitted.stdout.strip().split(";")[0]
 
     def job_info() -> str:
         return subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True).stdout
 
-    _wait_for(lambda: re.search(r"JobState=(COMPLETED|FAILED|CANCELLED|TIMEOUT)", job_info()) is not None, 900, f"job {job} end")
+    _wait_for(
+        lambda: re.search(r"JobState=(COMPLETED|FAILED|CANCELLED|TIMEOUT)", job_info()) is not None,
+        900,
+        f"job {job} end",
+    )
     info = job_info()
     log = out.read_text() if out.exists() else ""
     assert "JobState=FAILED" in info and "ExitCode=42:0" in info, info + log[-3000:]

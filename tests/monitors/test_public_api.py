@@ -14,7 +14,6 @@ PUBLIC = [
     "router_conditioning_ratio",
     "expert_load",
     "max_violation",
-    "build_symptom_rules",
 ]
 
 

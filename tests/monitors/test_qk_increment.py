@@ -1,5 +1,5 @@
 """QK-increment spectra: every method against an independent dense reference built here from the
-PAPER.md 1a formulas (explicit d x d Delta matrices, torch.linalg.svdvals in float64).
+docs/METHOD.md section 3 formulas (explicit d x d Delta matrices, torch.linalg.svdvals in float64).
 
 Tolerances (``assert_spectra_close``), per row of singular values with largest reference value
 ``top``:

@@ -139,7 +139,7 @@ def test_conditioning_ratio_by_hand():
 
 @pytest.mark.parametrize("seed", range(5))
 def test_small_conditioning_ratio_bounds_pairwise_cosine(seed):
-    # PAPER 1b: for eps < 1 every pair has cos >= 1 - 2 eps^2.
+    # docs/METHOD.md section 6: for eps < 1 every pair has cos >= 1 - 2 eps^2.
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(1, 16, generator=g) + 0.2 * torch.randn(6, 16, generator=g)
     eps = router_conditioning_ratio(w).item()

@@ -26,7 +26,13 @@ def test_flags_map_onto_config():
     )
     cfg = config_from_args(args)
     assert (cfg.enabled, cfg.interval, cfg.delta, cfg.monitors) == (True, 10, 20, ("router",))
-    assert (cfg.action, cfg.exit_code, cfg.drill_at, cfg.alpha, cfg.snapshot_device) == ("checkpoint-and-abort", 77, 20, 1.0, "cpu")
+    assert (cfg.action, cfg.exit_code, cfg.drill_at, cfg.alpha, cfg.snapshot_device) == (
+        "checkpoint-and-abort",
+        77,
+        20,
+        1.0,
+        "cpu",
+    )
 
 
 @pytest.mark.parametrize("text, value", [("topk", "topk"), ("off", 0.0), ("0", 0.0), ("1.5", 1.5), ("3", 3.0)])

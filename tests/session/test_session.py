@@ -47,8 +47,10 @@ class ToyAttention:
 def make_session(tmp_path, layers, routers=(), **overrides) -> MonitoringSession:
     cfg = dict(enabled=True, interval=5, delta=5, detector_warmup=5, detector_patience=2, log_dir=str(tmp_path))
     cfg.update(overrides)
-    writer = WriterGroup([JsonlScalarWriter(str(tmp_path / "scalars.jsonl")), TensorBoardScalarWriter.in_directory(str(tmp_path / "tb"))])
-    return MonitoringSession(MechmonConfig(**cfg), [l.site() for l in layers], list(routers), writer=writer)
+    writer = WriterGroup(
+        [JsonlScalarWriter(str(tmp_path / "scalars.jsonl")), TensorBoardScalarWriter.in_directory(str(tmp_path / "tb"))]
+    )
+    return MonitoringSession(MechmonConfig(**cfg), [layer.site() for layer in layers], list(routers), writer=writer)
 
 
 def run(session, layers, steps, start=0, fault_from=None, fault_head=1, fault_layer=0):
@@ -165,7 +167,9 @@ def test_monitor_exception_is_counted_not_raised_unless_strict(tmp_path):
     decisions = run(session, [layer], 10)
     assert not any(d.alarm for d in decisions)
     assert session.errors == 2
-    strict = MonitoringSession(MechmonConfig(enabled=True, interval=5, delta=5, strict=True), [broken], writer=WriterGroup())
+    strict = MonitoringSession(
+        MechmonConfig(enabled=True, interval=5, delta=5, strict=True), [broken], writer=WriterGroup()
+    )
     with pytest.raises(ValueError):
         run(strict, [layer], 10)
 
@@ -272,7 +276,9 @@ def test_top1_router_has_no_floor_under_topk():
     cfg = MechmonConfig(enabled=True)
     assert cfg.router_entropy_floor(num_experts=8, topk=1) is None
     assert cfg.router_entropy_floor(num_experts=8, topk=2) == pytest.approx(math.log(2))
-    assert MechmonConfig(enabled=True, router_min_effective_experts=1.5).router_entropy_floor(8, 1) == pytest.approx(math.log(1.5))
+    assert MechmonConfig(enabled=True, router_min_effective_experts=1.5).router_entropy_floor(8, 1) == pytest.approx(
+        math.log(1.5)
+    )
 
 
 def test_floor_above_the_expert_count_fails_at_startup_naming_the_flag(tmp_path):

@@ -3,7 +3,7 @@
 ``local`` keeps megatron-core's ``DotProductAttention``. ``torch`` (scaled-dot-product
 attention: a real FlashAttention-2 kernel on a GPU in BF16), ``emulated-lowp-fa`` (the pure
 PyTorch emulation of BF16 FlashAttention with the fault injector), ``flash-attn`` and ``fp8`` (GPU
-only) come from ``mechmon_megatron.adapters.mcore.attention_backends``.
+only) come from ``mechmon_megatron.research.faults.attention_backends``.
 
 The fault acts only through the emulated kernel's backward (``delta = rowsum(dO * O)`` with a
 biased O); it never writes weights. ``--fa-fault-strength`` is in BF16 ulps and is an AMPLIFIED
@@ -49,8 +49,8 @@ def prepare_attention(args: argparse.Namespace) -> None:
         if args.log_max_attn_logit:
             raise ValueError("--log-max-attn-logit needs --attention-backend torch or emulated-lowp-fa.")
         return
-    from mechmon_megatron.adapters.mcore.attention_backends import MaxLogitRecorder, backend_unavailable_reason
-    from mechmon_megatron.faults.fault_config import FaultConfig
+    from mechmon_megatron.research.faults.attention_backends import MaxLogitRecorder, backend_unavailable_reason
+    from mechmon_megatron.research.faults.fault_config import FaultConfig
 
     reason = backend_unavailable_reason(args.attention_backend)
     if reason is not None:
@@ -60,7 +60,9 @@ def prepare_attention(args: argparse.Namespace) -> None:
         try:
             layers = tuple(int(x) for x in args.fa_fault_layers.split(",") if x.strip())
         except ValueError as exc:
-            raise ValueError(f"--fa-fault-layers must be comma-separated integers, got {args.fa_fault_layers!r}") from exc
+            raise ValueError(
+                f"--fa-fault-layers must be comma-separated integers, got {args.fa_fault_layers!r}"
+            ) from exc
     if args.attention_backend == "emulated-lowp-fa":
         args.fa_fault = FaultConfig(strength=args.fa_fault_strength, onset_step=args.fa_fault_onset,
                                     mode=args.fa_fault_mode, layer_numbers=layers)
@@ -72,8 +74,8 @@ def core_attention_spec(args: argparse.Namespace) -> Optional[Any]:
     """The ``core_attention`` submodule for the layer spec (None = megatron-core default)."""
     if args.attention_backend == "local":
         return None
-    from mechmon_megatron.adapters.mcore.attention_backends import build_core_attention_spec
-    from mechmon_megatron.faults.emulated_fa import EmulatedFAConfig
+    from mechmon_megatron.research.faults.attention_backends import build_core_attention_spec
+    from mechmon_megatron.research.faults.emulated_fa import EmulatedFAConfig
 
     emulation = EmulatedFAConfig(emulate_bf16=not args.fa_no_bf16_emulation, fp32_o=args.fa_fp32_o,
                                  tie_shift_beta=args.fa_tie_shift_beta)

@@ -7,7 +7,6 @@ import argparse
 import sys
 import time
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Optional
 
 import torch

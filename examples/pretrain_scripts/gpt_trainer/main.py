@@ -14,7 +14,6 @@ import torch
 
 from .args import ArgsProvider, parse_args, validate_args
 
-
 ROUTER_PARAM_PATTERN = "*.router.*"
 """megatron-core's router parameters (``decoder.layers.N.mlp.router.weight``, behind the DDP
 wrapper's ``module.``), matched with ParamKey's shell-style name patterns."""
@@ -38,7 +37,7 @@ def main(argv: Optional[Sequence[str]] = None,
     logging.getLogger("megatron").setLevel(logging.WARNING)  # it logs every parameter name
     args = parse_args(argv, extra_args_providers)
 
-    from mechmon_megatron.compat.cpu_megatron import enable_cpu_compat
+    from mechmon_megatron.testing.cpu_megatron import enable_cpu_compat
 
     enable_cpu_compat()  # no-op with CUDA
 

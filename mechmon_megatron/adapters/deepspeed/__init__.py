@@ -18,7 +18,14 @@ from mechmon_megatron.adapters.deepspeed.config import config_from_ds_config, pa
 from mechmon_megatron.adapters.deepspeed.engine_hooks import CLIENT_ALERT_KEY, CLIENT_STATE_KEY, MechmonDeepSpeed
 from mechmon_megatron.session.config import MechmonConfig
 
-__all__ = ["attach", "MechmonDeepSpeed", "config_from_ds_config", "parse_section", "CLIENT_STATE_KEY", "CLIENT_ALERT_KEY"]
+__all__ = [
+    "attach",
+    "MechmonDeepSpeed",
+    "config_from_ds_config",
+    "parse_section",
+    "CLIENT_STATE_KEY",
+    "CLIENT_ALERT_KEY",
+]
 
 
 def _engine_ds_config(engine: Any) -> dict:

@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from mechmon_megatron.adapters.mcore.qkv_layout import split_qk
+from mechmon_megatron.session.qkv_layout import split_qk
 
 logger = logging.getLogger(__name__)
 
@@ -241,7 +241,9 @@ def find_attention(
             found.append(hit)
             claimed.append(name)
     for name, module in modules:
-        if "attention" not in type(module).__name__.lower() or any(_inside(name, c) or _inside(c, name) for c in claimed):
+        if "attention" not in type(module).__name__.lower() or any(
+            _inside(name, c) or _inside(c, name) for c in claimed
+        ):
             continue
         if any(_inside(name, u) for u in unknown):
             continue

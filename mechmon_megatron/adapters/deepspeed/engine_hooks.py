@@ -50,7 +50,13 @@ from mechmon_megatron.session.host import (
     TorchDistributedCommunicator,
 )
 from mechmon_megatron.session.session import Decision, MonitoringSession
-from mechmon_megatron.session.writers import EventListWriter, JsonlScalarWriter, ScalarWriter, TensorBoardScalarWriter, WriterGroup
+from mechmon_megatron.session.writers import (
+    EventListWriter,
+    JsonlScalarWriter,
+    ScalarWriter,
+    TensorBoardScalarWriter,
+    WriterGroup,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -171,8 +177,13 @@ class MechmonDeepSpeed:
         self._wrap("load_checkpoint", self._load_checkpoint)
         if _rank() == 0:
             logger.info(
-                "[mechmon] DeepSpeed: monitoring %d attention layers and %d MoE gates (interval %d, delta %d, action %s)",
-                len(self._attention_sites), len(self._router_sites), config.interval, config.delta, config.action,
+                "[mechmon] DeepSpeed: monitoring %d attention layers and %d MoE gates "
+                "(interval %d, delta %d, action %s)",
+                len(self._attention_sites),
+                len(self._router_sites),
+                config.interval,
+                config.delta,
+                config.action,
             )
 
     # ------------------------------------------------------------------ construction
@@ -180,11 +191,16 @@ class MechmonDeepSpeed:
         found = find_attention(model, self.config.extra.get("attention_mapping", ()), notice=_rank() == 0)
         if found and _tensor_parallel(self.engine) > 1:
             if _rank() == 0:
-                logger.warning("[mechmon] tensor-parallel attention (mpu) is not supported by the DeepSpeed adapter: attention monitors skipped")
+                logger.warning(
+                    "[mechmon] tensor-parallel attention (mpu) is not supported by the DeepSpeed adapter: "
+                    "attention monitors skipped"
+                )
             return []
         sites = []
         for found_one, layer in zip(found, layer_numbers([f.name for f in found])):
-            reader = _AttentionReader(found_one, owner=(layer - 1) % _world() == _rank(), full_matrix=self.config.full_matrix_dw)
+            reader = _AttentionReader(
+                found_one, owner=(layer - 1) % _world() == _rank(), full_matrix=self.config.full_matrix_dw
+            )
             sites.append(AttentionSite(layer, reader.read_heads, reader.read_full, found_one.name))
         return sites
 
@@ -196,7 +212,9 @@ class MechmonDeepSpeed:
             reader = _RouterReader(gate, group)
             site = RouterSite(
                 layer_number=layer,
-                num_experts=int(gate.wg.weight.shape[0] if not hasattr(gate.wg.weight, "ds_shape") else gate.wg.weight.ds_shape[0]),
+                num_experts=int(
+                    gate.wg.weight.shape[0] if not hasattr(gate.wg.weight, "ds_shape") else gate.wg.weight.ds_shape[0]
+                ),
                 topk=int(gate.k),
                 weight=reader.read_weight,
                 reduce_sum=reader.reduce_sum,
@@ -222,11 +240,16 @@ class MechmonDeepSpeed:
             if getattr(monitor, "tb_monitor", None) is None:
                 writers.append(TensorBoardScalarWriter.in_directory(self.config.log_dir))
         if not writers:
-            logger.warning("[mechmon] no output: enable a DeepSpeed monitor (tensorboard / csv_monitor / wandb) or set mechmon.log_dir")
+            logger.warning(
+                "[mechmon] no output: enable a DeepSpeed monitor (tensorboard / csv_monitor / wandb) "
+                "or set mechmon.log_dir"
+            )
         return WriterGroup(writers)
 
     def _new_session(self) -> MonitoringSession:
-        return MonitoringSession(self.config, self._attention_sites, self._router_sites, comm=self.comm, writer=self.writer)
+        return MonitoringSession(
+            self.config, self._attention_sites, self._router_sites, comm=self.comm, writer=self.writer
+        )
 
     def _wrap(self, method: str, replacement) -> None:
         original = getattr(self.engine, method)
@@ -322,7 +345,11 @@ class MechmonDeepSpeed:
             # Leave together, with no collective in flight (gloo threads abort otherwise).
             dist.destroy_process_group()
         if self.comm.is_writer:
-            logger.error("[mechmon] checkpoint saved in %s; exiting with code %d", os.path.join(directory, tag), decision.exit_code)
+            logger.error(
+                "[mechmon] checkpoint saved in %s; exiting with code %d",
+                os.path.join(directory, tag),
+                decision.exit_code,
+            )
         sys.stdout.flush()
         sys.stderr.flush()
         sys.exit(decision.exit_code)

@@ -1,0 +1,18 @@
+"""megatron-core adapter: the monitors on megatron-core models, in any training loop.
+
+Public entry point::
+
+    from mechmon_megatron.adapters.megatron_core import MechmonCallback
+    callback = MechmonCallback(config)   # on_train_start / on_step_start / on_step_end / state_dict
+
+Files, one job each: ``discovery`` (find attention layers and routers, global layer numbers),
+``sites`` (turn them into the session's sites for any TP / PP / EP / DP / SP layout),
+``param_sync`` (make distributed-optimizer parameters current before a read),
+``session_factory`` (writers, communicator, session), ``callback`` (the loop hooks).
+"""
+
+from mechmon_megatron.adapters.megatron_core.callback import MechmonCallback, MechmonExitRequest
+from mechmon_megatron.adapters.megatron_core.param_sync import force_param_sync, overlaps_param_gather
+from mechmon_megatron.adapters.megatron_core.session_factory import build_mcore_session
+
+__all__ = ["MechmonCallback", "MechmonExitRequest", "build_mcore_session", "force_param_sync", "overlaps_param_gather"]

@@ -1,0 +1,34 @@
+"""Megatron-LM adapter: the monitors inside Megatron-LM's own ``pretrain_gpt.py``.
+
+Two calls in ``pretrain_gpt.py`` (see ``patches/megatron-lm/``) attach the monitoring session to
+an unmodified Megatron-LM training loop::
+
+    from mechmon_megatron import megatron_lm as mechmon
+    mechmon.install()
+    pretrain(..., extra_args_provider=mechmon.extra_args_provider(existing_provider))
+
+Files, one job each: ``flags`` (the ``--mechmon*`` flags as an ``extra_args_provider``),
+``hooks`` (:class:`MegatronLMHooks`: build the session, run checks, save-and-exit, detector
+state beside each checkpoint), ``install`` (wrap ``megatron.training.training``),
+``patch_tool`` (``mechmon-patch``: apply / check / revert the patch of a checkout).
+
+Scalars go to Megatron's own TensorBoard (``get_tensorboard_writer()``, last rank) and W&B
+(``get_wandb_writer()``) writers when they exist, else to ``--mechmon-log-dir``. Flags, scalar
+names and the session are those of megatron-core loops (:mod:`..megatron_core`), whose public
+entry point this adapter builds on: Megatron-LM trains megatron-core models.
+"""
+
+from mechmon_megatron.adapters.megatron_lm.flags import add_arguments, extra_args_provider
+from mechmon_megatron.adapters.megatron_lm.hooks import STATE_FILENAME, MegatronLMHooks, checkpoint_iter_dir
+from mechmon_megatron.adapters.megatron_lm.install import install, unwrap_training_module, wrap_training_module
+
+__all__ = [
+    "STATE_FILENAME",
+    "MegatronLMHooks",
+    "add_arguments",
+    "checkpoint_iter_dir",
+    "extra_args_provider",
+    "install",
+    "unwrap_training_module",
+    "wrap_training_module",
+]

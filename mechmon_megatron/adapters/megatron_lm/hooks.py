@@ -1,0 +1,197 @@
+"""``MegatronLMHooks``: drive one monitoring session from Megatron-LM's training loop.
+
+The hooks build the session on the first training step (model chunks and writers exist then,
+``--load`` is done), arm router-logit capture before the forward of a check step, run the check
+after the optimizer step, and turn an agreed abort into Megatron's own save-and-exit
+(``args.exit_interval = iteration``). After each persistent save the writer rank (the last rank,
+which holds the detectors) writes ``mechmon_state.json`` into the ``iter_XXXXXXX`` directory; it
+is read back when a run resumes from that iteration with ``--load``. :mod:`.install` wires these
+hooks into ``megatron.training.training``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from mechmon_megatron.adapters.megatron_core import build_mcore_session, force_param_sync
+from mechmon_megatron.cli.args import config_from_args
+from mechmon_megatron.session.config import MechmonConfig
+from mechmon_megatron.session.session import MonitoringSession
+from mechmon_megatron.session.writers import WandbScalarWriter
+
+logger = logging.getLogger(__name__)
+
+STATE_FILENAME = "mechmon_state.json"
+
+
+def checkpoint_iter_dir(save_dir: str, iteration: int) -> str:
+    """Megatron's ``iter_XXXXXXX`` directory of ``iteration`` under ``save_dir``."""
+    try:
+        from megatron.training.checkpointing import get_checkpoint_name
+
+        return get_checkpoint_name(save_dir, iteration, release=False, return_base_dir=True)
+    except (ImportError, TypeError):  # release without return_base_dir, or no Megatron-LM
+        return os.path.join(save_dir, f"iter_{iteration:07d}")
+
+
+def write_state(directory: str, state: dict) -> str:
+    """Write the session state as JSON, atomically (``os.replace``)."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, STATE_FILENAME)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(state, f, allow_nan=True)
+    os.replace(tmp, path)
+    return path
+
+
+def read_state(directory: str) -> Optional[dict]:
+    path = os.path.join(directory, STATE_FILENAME)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _barrier() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+class MegatronLMHooks:
+    """Drives one ``MonitoringSession`` from Megatron-LM's training loop (one per process).
+
+    Host dependencies are passed in, so the hooks run on real megatron-core models without
+    ``megatron.training`` (tests): ``get_args`` returns Megatron's args namespace;
+    ``get_tensorboard_writer`` / ``get_wandb_writer`` return the host writers or None;
+    ``session_builder(config, model_chunks, host_tensorboard, tensorboard_dir)`` builds the session.
+    """
+
+    def __init__(
+        self,
+        get_args: Callable[[], Any],
+        get_tensorboard_writer: Callable[[], Any] = lambda: None,
+        get_wandb_writer: Callable[[], Any] = lambda: None,
+        session_builder: Optional[Callable[..., MonitoringSession]] = None,
+    ) -> None:
+        self._get_args = get_args
+        self._get_tensorboard_writer = get_tensorboard_writer
+        self._get_wandb_writer = get_wandb_writer
+        self._session_builder = session_builder
+        self.config: Optional[MechmonConfig] = None
+        self.session: Optional[MonitoringSession] = None
+        self.abort_iteration: Optional[int] = None
+        self.exit_code: Optional[int] = None
+
+    # -- lifecycle
+    def ensure_session(
+        self, model_chunks: Sequence[torch.nn.Module], start_iteration: int
+    ) -> Optional[MonitoringSession]:
+        """Build the session once (first train step), restore state saved with ``--load``."""
+        if self.session is not None or self.config is not None:
+            return self.session
+        args = self._get_args()
+        self.config = config_from_args(args)
+        if not self.config.enabled:
+            return None
+        builder = self._session_builder or _default_builder
+        wandb_run = self._get_wandb_writer()
+        session = builder(
+            self.config,
+            list(model_chunks),
+            host_tensorboard=self._get_tensorboard_writer(),
+            tensorboard_dir=getattr(args, "tensorboard_dir", None),
+            extra_writers=[WandbScalarWriter(wandb_run)] if wandb_run is not None else [],
+        )
+        self.session = session
+        self._restore(args, start_iteration)
+        session.on_train_start(start_iteration)
+        return session
+
+    def _restore(self, args: Any, start_iteration: int) -> None:
+        load = getattr(args, "load", None)
+        if not load or start_iteration <= 0:
+            return
+        directory = checkpoint_iter_dir(load, start_iteration)
+        state = read_state(directory)
+        if state is None:
+            logger.info("[mechmon] no %s in %s: detectors start with a fresh baseline", STATE_FILENAME, directory)
+            return
+        self.session.load_state_dict(state)
+        logger.info("[mechmon] restored detector state from %s", directory)
+
+    # -- per step
+    def before_step(self, model_chunks: Sequence[torch.nn.Module], iteration: int) -> None:
+        """Before the forward of step ``iteration`` (1-based: the value after this step)."""
+        session = self.ensure_session(model_chunks, iteration - 1)
+        if session is not None:
+            session.on_step_start(iteration)
+
+    def after_forward_backward(self) -> None:
+        """The training step returned: stop capturing (evaluation forwards must not count)."""
+        if self.session is not None and self.session.enabled:
+            self.session.stop_capture()
+
+    def after_step(self, model_chunks: Sequence[torch.nn.Module], iteration: int) -> bool:
+        """After the optimizer step of ``iteration``; True when the job must save and exit."""
+        session = self.session
+        if session is None or not session.enabled:
+            return False
+        config = session.config
+        args = self._get_args()
+        reads_weights = config.is_check_step(iteration) or config.is_snapshot_step(iteration)
+        if (
+            reads_weights
+            and getattr(args, "use_distributed_optimizer", False)
+            and getattr(args, "overlap_param_gather", False)
+        ):
+            force_param_sync(model_chunks)
+        decision = session.on_step_end(iteration)
+        if not decision.abort:
+            return False
+        # Every rank holds the same decision (one broadcast in the session): all set the same exit.
+        self.abort_iteration = iteration
+        self.exit_code = decision.exit_code
+        args.exit_interval = iteration
+        if not getattr(args, "save", None):
+            logger.warning("[mechmon] checkpoint-and-abort without --save: Megatron exits without a checkpoint")
+        return True
+
+    def after_save(self, iteration: int, non_persistent: bool = False) -> None:
+        """After ``save_checkpoint`` of ``iteration`` returned on this rank."""
+        session = self.session
+        if session is None or not session.enabled or non_persistent:
+            return
+        save = getattr(self._get_args(), "save", None)
+        if not save:
+            return
+        directory = checkpoint_iter_dir(save, iteration)
+        session.on_checkpoint_saved(iteration, directory)
+        if session.comm.is_writer:
+            write_state(directory, session.state_dict())
+
+    def finish_abort(self) -> Optional[str]:
+        """After Megatron left the loop for our abort: write the alert, sync, close."""
+        save = getattr(self._get_args(), "save", None)
+        directory = checkpoint_iter_dir(save, self.abort_iteration) if save else None
+        path = self.session.on_abort_checkpoint_saved(self.abort_iteration, directory)
+        _barrier()  # no rank exits (and makes the launcher kill the writer) before the alert exists
+        self.close()
+        return path
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+
+
+def _default_builder(
+    config, model_chunks, host_tensorboard=None, tensorboard_dir=None, extra_writers=()
+) -> MonitoringSession:
+    return build_mcore_session(
+        config, model_chunks, host_tensorboard, tensorboard_dir, writer_rank=-1, extra_writers=extra_writers
+    )

@@ -1,0 +1,157 @@
+"""``install()``: wrap four globals of ``megatron.training.training`` with the mechmon hooks.
+
+``pretrain`` / ``train`` look these names up at call time (present in Megatron-LM core_v0.16.x
+and current main):
+
+* ``train_step``: builds the session on the first call and arms router-logit capture before the
+  forward of a check step (``session.on_step_start``); capture stops when the step returns, so
+  evaluation forwards are never counted.
+* ``post_training_step_callbacks``: after the optimizer step and ``iteration += 1``, on every
+  rank, before ``checkpoint_and_decide_exit`` of the same iteration. Forces the parameter
+  all-gather (``--use-distributed-optimizer --overlap-param-gather``) on steps that read weights,
+  then runs ``session.on_step_end``. An agreed abort sets ``args.exit_interval = iteration`` on
+  every rank, so Megatron's own ``checkpoint_and_decide_exit`` saves a checkpoint at this
+  iteration (when ``--save`` is set) and leaves the loop.
+* ``save_checkpoint``: after each persistent save, the detector state is written beside it.
+* ``train``: Megatron ends an early exit with ``sys.exit(0)`` after the loop (async saves
+  finalized first). When the exit was ours, the wrapper writes ``mechmon_alert.json`` beside the
+  abort checkpoint, waits for the writer rank (barrier), and exits with ``--mechmon-exit-code``
+  instead. Other exits (signal handler, ``--exit-interval``, rerun machine) pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from typing import Any, Callable
+
+from mechmon_megatron.adapters.megatron_lm.hooks import MegatronLMHooks
+
+logger = logging.getLogger(__name__)
+
+TRAINING_MODULE = "megatron.training.training"
+HOOKED = ("train_step", "post_training_step_callbacks", "save_checkpoint", "train")
+_WRAPPED_MARK = "_mechmon_wrapped"
+
+
+def _step_iteration(args: tuple, kwargs: dict, get_args: Callable[[], Any]) -> int:
+    """The 1-based iteration a ``train_step`` call is about to run."""
+    done = kwargs.get("iteration")
+    if done is None and len(args) > 7:
+        done = args[7]
+    if done is None:  # releases whose train_step has no iteration argument
+        done = getattr(get_args(), "curr_iteration", 0)
+    return int(done) + 1
+
+
+def _model_arg(args: tuple, kwargs: dict, position: int) -> Any:
+    return kwargs["model"] if "model" in kwargs else args[position]
+
+
+def wrap_training_module(training: Any, hooks: MegatronLMHooks) -> None:
+    """Replace the four hooked globals of ``training`` with wrappers calling ``hooks``."""
+    missing = [name for name in HOOKED if not callable(getattr(training, name, None))]
+    if missing:
+        raise RuntimeError(
+            f"mechmon: {training.__name__} has no {missing}; this Megatron-LM release is not supported "
+            "by mechmon_megatron.megatron_lm.install() -- please report it with your Megatron-LM commit"
+        )
+    original = {name: getattr(training, name) for name in HOOKED}
+
+    @functools.wraps(original["train_step"])
+    def train_step(*args, **kwargs):
+        # train_step(forward_step_func, data_iterator, model, optimizer, ..., iteration=None)
+        hooks.before_step(_model_arg(args, kwargs, 2), _step_iteration(args, kwargs, hooks._get_args))
+        try:
+            return original["train_step"](*args, **kwargs)
+        finally:
+            hooks.after_forward_backward()
+
+    @functools.wraps(original["post_training_step_callbacks"])
+    def post_training_step_callbacks(*args, **kwargs):
+        # (model, optimizer, opt_param_scheduler, iteration, ...): runs before the exit decision
+        result = original["post_training_step_callbacks"](*args, **kwargs)
+        iteration = kwargs["iteration"] if "iteration" in kwargs else args[3]
+        hooks.after_step(_model_arg(args, kwargs, 0), int(iteration))
+        return result
+
+    @functools.wraps(original["save_checkpoint"])
+    def save_checkpoint(*args, **kwargs):
+        result = original["save_checkpoint"](*args, **kwargs)
+        iteration = kwargs["iteration"] if "iteration" in kwargs else args[0]
+        hooks.after_save(int(iteration), non_persistent=bool(kwargs.get("non_persistent_ckpt", False)))
+        return result
+
+    @functools.wraps(original["train"])
+    def train(*args, **kwargs):
+        try:
+            result = original["train"](*args, **kwargs)
+        except SystemExit:
+            if hooks.abort_iteration is None:
+                hooks.close()
+                raise
+            hooks.finish_abort()
+            logger.warning(
+                "[mechmon] checkpoint-and-abort at iteration %d: exiting with code %d",
+                hooks.abort_iteration,
+                hooks.exit_code,
+            )
+            raise SystemExit(hooks.exit_code) from None
+        hooks.close()
+        return result
+
+    for name, fn in (
+        ("train_step", train_step),
+        ("post_training_step_callbacks", post_training_step_callbacks),
+        ("save_checkpoint", save_checkpoint),
+        ("train", train),
+    ):
+        setattr(fn, _WRAPPED_MARK, original[name])
+        setattr(training, name, fn)
+
+
+def unwrap_training_module(training: Any) -> None:
+    """Undo :func:`wrap_training_module` (tests, in-process restarts)."""
+    for name in HOOKED:
+        fn = getattr(training, name, None)
+        inner = getattr(fn, _WRAPPED_MARK, None)
+        if inner is not None:
+            setattr(training, name, inner)
+
+
+def install(training_module: Any = None) -> MegatronLMHooks:
+    """Attach mechmon to Megatron-LM's training loop; call once, before ``pretrain``.
+
+    Nothing is built until the first training step, and a run without ``--mechmon`` only pays
+    for four pass-through wrappers. Idempotent: a second call returns the installed hooks.
+    (CPU runs of Megatron-LM, for tests and laptops, start through
+    ``python -m mechmon_megatron.testing.megatron_lm_cpu pretrain_gpt.py ...``, which makes
+    Megatron-LM run on CPU before this is called; the product itself never does.)
+    """
+    training = training_module or importlib.import_module(TRAINING_MODULE)
+    installed = getattr(training, "_mechmon_hooks", None)
+    if installed is not None:
+        return installed
+    from megatron.training import get_args, global_vars
+
+    hooks = MegatronLMHooks(
+        get_args=get_args,
+        get_tensorboard_writer=global_vars.get_tensorboard_writer,
+        get_wandb_writer=getattr(global_vars, "get_wandb_writer", lambda: None),
+    )
+    if _has_callback_api():
+        logger.info(
+            "[mechmon] megatron.training.callbacks found; using the module-global hooks, which fire at the same points"
+        )
+    wrap_training_module(training, hooks)
+    training._mechmon_hooks = hooks
+    return hooks
+
+
+def _has_callback_api() -> bool:
+    try:
+        importlib.import_module("megatron.training.callbacks")
+    except ImportError:
+        return False
+    return True

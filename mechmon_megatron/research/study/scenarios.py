@@ -1,0 +1,300 @@
+"""Fault-study scenarios: each scenario is a named set of example-trainer flags, defined once.
+
+Every run trains the same small GPT-MoE with megatron-core (``examples/pretrain_scripts``),
+the emulated BF16 flash attention (``--attention-backend emulated-lowp-fa``) and the mechanism
+monitors in ``log`` mode (alarms are recorded, training goes on). A scenario adds its fault:
+
+==========  ===============================================================================
+clean       no fault: the control (fault injector off, base learning rate and batch size).
+fa          amplified biased rounding of O in the FA backward's ``delta`` on all rows
+            (``--fa-fault-mode all_rows``) from ``fault_onset``; attention-family fault.
+moe-lr      the router's "stable winner" loop driven by a high learning rate (from step 1).
+moe-gbs     the same loop driven by a small global batch (margin noise) from step 1.
+combined    ``fa`` and ``moe-lr`` together.
+moe-router-lr
+            a high learning rate on the router weights only (``--router-lr-mult``), from
+            step 1: the routing fault without touching the attention weights' updates, which
+            is what the paper's orthogonality claim is about.
+==========  ===============================================================================
+
+The fa fault is *amplified*: the faithful variant (bias only on rows with a tied score maximum)
+does not trigger on models this small within a CPU budget (docs/METHOD.md section 8), so the bias is
+applied on every row with a strength of many BF16 ulps.
+
+A :class:`Preset` fixes the model size, the run length and the monitor schedule for a study:
+``demo`` (what ``make demo`` runs in <= 10 minutes on 2 cores) and ``full`` (docs/RESULTS.md).
+Pure Python: no torch import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Literal, Optional
+
+FaultFamily = Literal["none", "attn", "router", "both"]
+
+SCENARIO_NAMES: tuple[str, ...] = ("clean", "fa", "moe-lr", "moe-gbs", "combined", "moe-router-lr")
+
+
+CALIBRATED_DETECTOR: dict[str, float] = {
+    "warmup": 10, "window": 50, "num_mads": 3.0, "min_rel_change": 0.02, "patience": 3,
+}
+"""Detector setting chosen on the clean calibration seed 0 of the ``full`` preset (the rule of
+``analysis.choose_detector_setting``; see docs/RESULTS.md). Used when a study runs no
+calibration of its own (``make demo``)."""
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Preset:
+    """Model size, run length and monitor schedule shared by every scenario of one study."""
+
+    name: str
+    """Preset name (``demo`` or ``full``)."""
+
+    train_iters: int
+    """Optimizer steps per run."""
+
+    model_flags: tuple[str, ...]
+    """Trainer flags of the base model (size, optimiser, MoE layout)."""
+
+    base_lr: float
+    """Peak learning rate of the healthy runs (``--lr``)."""
+
+    high_lr: float
+    """Peak learning rate of the ``moe-lr`` fault."""
+
+    base_global_batch: int
+    """Global batch size (sequences) of the healthy runs."""
+
+    small_global_batch: int
+    """Global batch size of the ``moe-gbs`` fault (with micro-batch size = this value)."""
+
+    fa_strength: float
+    """Fault strength in BF16 ulps of O (``--fa-fault-strength``)."""
+
+    fa_onset: int
+    """First step of the fa fault (``--fa-fault-onset``)."""
+
+    mechmon_interval: int
+    """Steps between monitor checks (``--mechmon-interval``)."""
+
+    mechmon_delta: int
+    """Increment window in steps (``--mechmon-delta``)."""
+
+    router_lr_mult: float = 15.0
+    """``--router-lr-mult`` of the ``moe-router-lr`` fault: the router's LR schedule times this.
+    15 is the whole-model LR multiple that collapsed routing on every seed of the DeepSpeed LR
+    study (docs/RESULTS.md); here it is applied to the router alone."""
+
+    lr_decay_iters: Optional[int] = None
+    """``--lr-decay-iters`` (default: the run length). The demo decays over the full study's
+    1,500 steps, so its 1,000 steps follow the same LR schedule as the full study."""
+
+    seeds: tuple[int, ...] = (1,)
+    """Default seeds of the reported runs."""
+
+    scenarios: tuple[str, ...] = SCENARIO_NAMES
+    """Default scenarios."""
+
+    calibration_seed: Optional[int] = None
+    """Seed of the clean run on which the detector setting is chosen (never a reported seed);
+    None: use ``detector`` as it is."""
+
+    detector: dict = field(default_factory=lambda: dict(CALIBRATED_DETECTOR))
+    """Detector setting (``analysis.DetectorSetting`` fields) when there is no calibration run."""
+
+
+# Base model: 4 layers, hidden 128, 4 heads, seq 128, 8 experts top-2 in every layer, byte-level
+# stdlib corpus. AdamW, warmup 100 steps, cosine decay to min-lr; aux loss 1e-2 (a usual setting).
+_MODEL = (
+    "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
+    "--seq-length", "128", "--ffn-hidden-size", "256",
+    "--num-experts", "8", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2",
+    "--lr-warmup-iters", "100", "--attention-backend", "emulated-lowp-fa",
+)
+
+_FULL = Preset(
+    name="full",
+    train_iters=1500,
+    model_flags=_MODEL,
+    base_lr=2e-3,
+    high_lr=8e-3,
+    base_global_batch=4,
+    small_global_batch=1,
+    fa_strength=32.0,
+    fa_onset=500,
+    mechmon_interval=20,
+    mechmon_delta=100,
+    seeds=(1, 2, 3),
+    scenarios=SCENARIO_NAMES,
+    calibration_seed=0,
+)
+
+PRESETS: dict[str, Preset] = {
+    # The demo is the full study cut short: same model, faults and schedule (the LR decays over
+    # the full study's 1,500 steps), fewer runs, an earlier FA onset, the calibrated detector.
+    "demo": replace(
+        _FULL, name="demo", train_iters=1000, lr_decay_iters=1500, fa_onset=400, seeds=(1,),
+        scenarios=("clean", "fa", "moe-lr"), calibration_seed=None,
+    ),
+    "full": _FULL,
+}
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Scenario:
+    """One fault scenario: its flags on top of the preset's base model."""
+
+    name: str
+    description: str
+    fault_family: FaultFamily
+    """Which monitor family the fault targets (for the orthogonality matrix)."""
+    fa_fault: bool = False
+    lr: Literal["base", "high"] = "base"
+    global_batch: Literal["base", "small"] = "base"
+    router_lr: Literal["base", "high"] = "base"
+
+    def fault_onset(self, preset: Preset) -> Optional[int]:
+        """First faulty step: the fa onset, 1 for a misconfiguration present from the start,
+        None for the clean control."""
+        if self.fa_fault:
+            return preset.fa_onset
+        if self.fault_family == "none":
+            return None
+        return 1
+
+    def router_fault_onset(self, preset: Preset) -> Optional[int]:
+        """First step of a router-family fault (high LR, small batch, high router LR: 1), else None."""
+        return 1 if self.lr == "high" or self.global_batch == "small" or self.router_lr == "high" else None
+
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario(name="clean", description="no fault (control)", fault_family="none"),
+        Scenario(
+            name="fa",
+            description="amplified biased BF16 rounding of O in the FA backward delta, all rows",
+            fault_family="attn",
+            fa_fault=True,
+        ),
+        Scenario(name="moe-lr", description="MoE with a high learning rate", fault_family="router", lr="high"),
+        Scenario(
+            name="moe-gbs", description="MoE with a small global batch", fault_family="router", global_batch="small"
+        ),
+        Scenario(
+            name="combined",
+            description="fa fault and high learning rate together",
+            fault_family="both",
+            fa_fault=True,
+            lr="high",
+        ),
+        Scenario(
+            name="moe-router-lr", description="MoE with a high learning rate on the router weights only",
+            fault_family="router", router_lr="high",
+        ),
+    )
+}
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class RunSpec:
+    """One training run of the study (a scenario at a seed); paths are relative to the run dir."""
+
+    scenario: str
+    seed: int
+    train_iters: int
+    fault_onset: Optional[int]
+    router_fault_onset: Optional[int] = None
+    """Onset of the router-family part of the fault when it differs (``combined``)."""
+    flags: tuple[str, ...] = field(default_factory=tuple)
+    calibration: bool = False
+    """True for the clean calibration run (not reported in the table)."""
+
+    @property
+    def run_id(self) -> str:
+        prefix = "calib-" if self.calibration else ""
+        return f"{prefix}{self.scenario}-seed{self.seed}"
+
+
+METRICS_FILE = "metrics.jsonl"
+MECHMON_DIR = "mechmon"
+TENSORBOARD_DIR = "tensorboard"
+
+
+def get_scenario(name: str) -> Scenario:
+    if name not in SCENARIOS:
+        raise ValueError(f"unknown scenario {name!r}; choose from {list(SCENARIOS)} (comma-separated --scenarios).")
+    return SCENARIOS[name]
+
+
+def get_preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from {list(PRESETS)} (--preset).")
+    return PRESETS[name]
+
+
+def trainer_flags(scenario: Scenario, preset: Preset, seed: int, train_iters: int) -> tuple[str, ...]:
+    """Trainer flags of one run, except the output paths (added by the runner)."""
+    lr = preset.high_lr if scenario.lr == "high" else preset.base_lr
+    gbs = preset.small_global_batch if scenario.global_batch == "small" else preset.base_global_batch
+    flags = list(preset.model_flags) + [
+        "--micro-batch-size", str(gbs), "--global-batch-size", str(gbs),
+        "--lr", repr(lr), "--min-lr", repr(lr / 10),
+        "--train-iters", str(train_iters), "--seed", str(seed),
+        "--lr-decay-iters", str(preset.lr_decay_iters or train_iters),
+        "--log-interval", "100", "--log-max-attn-logit",
+        "--mechmon", "--mechmon-interval", str(preset.mechmon_interval),
+        "--mechmon-delta", str(preset.mechmon_delta), "--mechmon-action", "log",
+        "--mechmon-per-head-scalars",
+    ]
+    if scenario.router_lr == "high":
+        flags += ["--router-lr-mult", repr(preset.router_lr_mult)]
+    if scenario.fa_fault:
+        flags += [
+            "--fa-fault-strength", repr(preset.fa_strength), "--fa-fault-onset", str(preset.fa_onset),
+            "--fa-fault-mode", "all_rows",
+        ]
+    return tuple(flags)
+
+
+def plan_runs(
+    scenario_names: tuple[str, ...],
+    seeds: tuple[int, ...],
+    preset: Preset,
+    train_iters: Optional[int] = None,
+    calibration_seed: Optional[int] = None,
+) -> list[RunSpec]:
+    """The run list: an optional clean calibration run first, then scenarios x seeds."""
+    iters = preset.train_iters if train_iters is None else int(train_iters)
+    if iters < 1:
+        raise ValueError(f"--train-iters must be >= 1, got {iters}.")
+    if calibration_seed is not None and calibration_seed in seeds:
+        raise ValueError(
+            f"the calibration seed {calibration_seed} is also a reported seed; detector settings must be "
+            "chosen on a seed that is not reported: change --calibration-seed or --seeds."
+        )
+    runs = []
+    if calibration_seed is not None:
+        clean = get_scenario("clean")
+        runs.append(
+            RunSpec(
+                scenario="clean", seed=calibration_seed, train_iters=iters, fault_onset=None,
+                flags=trainer_flags(clean, preset, calibration_seed, iters), calibration=True,
+            )
+        )
+    for name in scenario_names:
+        scenario = get_scenario(name)
+        for seed in seeds:
+            runs.append(
+                RunSpec(
+                    scenario=name, seed=seed, train_iters=iters, fault_onset=scenario.fault_onset(preset),
+                    router_fault_onset=scenario.router_fault_onset(preset),
+                    flags=trainer_flags(scenario, preset, seed, iters),
+                )
+            )
+    return runs
+
+
+def with_overrides(preset: Preset, **changes) -> Preset:
+    """A copy of ``preset`` with some fields changed (e.g. ``fa_onset`` for short test runs)."""
+    return replace(preset, **changes)

@@ -1,0 +1,252 @@
+"""Run Megatron-LM's own training loop on CPU (gloo): tests and laptops only.
+
+    python -m mechmon_megatron.testing.megatron_lm_cpu pretrain_gpt.py <Megatron-LM flags>
+    torchrun --nproc-per-node 2 -m mechmon_megatron.testing.megatron_lm_cpu pretrain_gpt.py ...
+
+runs a patched ``pretrain_gpt.py`` (see ``patches/megatron-lm/``) as ``python pretrain_gpt.py``
+would, except that the CPU layer below is applied when the script calls ``mechmon.install()``
+(after its imports, before ``pretrain``). This is the explicit opt-in of the CPU launchers
+(``examples/pretrain_scripts/pretrain_gpt_mechmon.sh`` without a GPU, ``tests/megatron_lm``):
+the product adapter never applies it.
+
+``enable_megatron_lm_cpu_compat()`` first applies megatron-core's CPU layer
+(:func:`mechmon_megatron.testing.cpu_megatron.enable_cpu_compat`), then neutralises the CUDA
+assumptions met on the code path of ``pretrain_gpt.py --transformer-impl local
+--distributed-backend gloo --mock-data`` in ``megatron.training`` (checked on core_v0.16.1).
+Every patch is feature-detected and listed in ``PATCHES``; nothing happens when CUDA is
+available. Never use this for real training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import logging
+import os
+import runpy
+import sys
+from typing import Any
+
+import torch
+
+from mechmon_megatron.testing.cpu_megatron import _CpuCuda, _CpuTorch, enable_cpu_compat
+
+logger = logging.getLogger(__name__)
+
+PATCHES: tuple[str, ...] = (
+    "allow-no-cuda",  # initialize_megatron asserts torch.cuda.is_available()
+    "no-fused-kernels",  # fused_kernels.load compiles CUDA extensions
+    "training-cuda-proxy",  # torch.cuda.* and device='cuda' in megatron.training modules
+    "prebuilt-dataset-helpers",  # skip `make` of helpers_cpp when an importable build exists
+    "get-model-stays-on-cpu",  # get_model calls model_module.cuda(current_device())
+    "batch-stays-on-cpu",  # get_batch_on_this_tp_rank moves the batch with Tensor.cuda()
+)
+
+# megatron.training modules whose ``torch`` global gets the CPU proxy (device='cuda' factories,
+# torch.cuda.current_device / synchronize / memory queries).
+TRAINING_CUDA_MODULES: tuple[str, ...] = (
+    "megatron.training.training",
+    "megatron.training.initialize",
+    "megatron.training.utils",
+    "megatron.training.checkpointing",
+    "megatron.training.theoretical_memory_usage",
+    "megatron.training.async_utils",
+    "megatron.core.timers",  # cross-rank timer min/max buffers
+    "megatron.core.rerun_state_machine",
+    "megatron.core.energy_monitor",
+    "megatron.core.datasets.blended_megatron_dataset_builder",
+    "megatron.core.transformer.moe.experts",
+    "pretrain_gpt",
+    "__main__",
+)
+
+_applied: list[str] = []
+
+
+class _NullStream:
+    """Stands in for ``torch.cuda.Stream`` (CPU work is synchronous)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _TrainingCpuCuda(_CpuCuda):
+    """``torch.cuda`` inside megatron.training: one pretend device, memory queries return 0."""
+
+    device_count = staticmethod(lambda: 1)  # initialize builds the model-parallel groups only then
+    set_device = staticmethod(lambda device: None)
+    empty_cache = staticmethod(lambda: None)
+    reset_peak_memory_stats = staticmethod(lambda device=None: None)
+    memory_allocated = staticmethod(lambda device=None: 0)
+    max_memory_allocated = staticmethod(lambda device=None: 0)
+    memory_reserved = staticmethod(lambda device=None: 0)
+    max_memory_reserved = staticmethod(lambda device=None: 0)
+    memory_stats = staticmethod(lambda device=None: {})
+    mem_get_info = staticmethod(lambda device=None: (0, 0))
+    Stream = _NullStream
+    current_stream = staticmethod(lambda device=None: _NullStream())
+    stream = staticmethod(lambda stream: contextlib.nullcontext())
+
+
+class _TrainingCpuTorch(_CpuTorch):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cuda = _TrainingCpuCuda()
+
+
+def _patch_initialize_megatron() -> bool:
+    training = importlib.import_module("megatron.training.training")
+    original = getattr(training, "initialize_megatron", None)
+    if original is None or getattr(original, "_mechmon_cpu", False):
+        return False
+
+    @functools.wraps(original)
+    def initialize_megatron(*args: Any, **kwargs: Any):
+        kwargs["allow_no_cuda"] = True
+        return original(*args, **kwargs)
+
+    initialize_megatron._mechmon_cpu = True
+    training.initialize_megatron = initialize_megatron
+    return True
+
+
+def _patch_fused_kernels() -> bool:
+    try:
+        fused_kernels = importlib.import_module("megatron.legacy.fused_kernels")
+    except ImportError:
+        return False
+    fused_kernels.load = lambda args: None
+    return True
+
+
+def _patch_get_model() -> bool:
+    training = importlib.import_module("megatron.training.training")
+    original = getattr(training, "get_model", None)
+    if original is None or getattr(original, "_mechmon_cpu", False):
+        return False
+
+    @functools.wraps(original)
+    def get_model(*args: Any, **kwargs: Any):
+        module_cuda = torch.nn.Module.cuda
+        torch.nn.Module.cuda = lambda self, device=None: self
+        try:
+            return original(*args, **kwargs)
+        finally:
+            torch.nn.Module.cuda = module_cuda
+
+    get_model._mechmon_cpu = True
+    training.get_model = get_model
+    return True
+
+
+def _patch_get_batch() -> bool:
+    """``get_batch_on_this_tp_rank`` calls ``tensor.cuda(non_blocking=True)``: identity on CPU.
+
+    The function is imported by name into ``pretrain_gpt`` (``__main__``): replace it there too.
+    """
+    utils = importlib.import_module("megatron.training.utils")
+    original = getattr(utils, "get_batch_on_this_tp_rank", None)
+    if original is None or getattr(original, "_mechmon_cpu", False):
+        return False
+
+    @functools.wraps(original)
+    def get_batch_on_this_tp_rank(*args: Any, **kwargs: Any):
+        tensor_cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda tensor, *a, **k: tensor
+        try:
+            return original(*args, **kwargs)
+        finally:
+            torch.Tensor.cuda = tensor_cuda
+
+    get_batch_on_this_tp_rank._mechmon_cpu = True
+    for name in ("megatron.training.utils", "pretrain_gpt", "__main__"):
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "get_batch_on_this_tp_rank", None) is original:
+            module.get_batch_on_this_tp_rank = get_batch_on_this_tp_rank
+    return True
+
+
+def _patch_compile_helpers() -> bool:
+    """Megatron runs ``make`` for the dataset helpers on every start; skip it when a build of
+    ``helpers_cpp`` for this interpreter is already importable (e.g. the megatron-core wheel's)."""
+    try:
+        utils = importlib.import_module("megatron.core.datasets.utils")
+        importlib.import_module("megatron.core.datasets.helpers_cpp")
+    except ImportError:
+        return False
+    original = getattr(utils, "compile_helpers", None)
+    if original is None:
+        return False
+    utils.compile_helpers = lambda: None
+    return True
+
+
+def _patch_training_modules() -> list[str]:
+    from mechmon_megatron.testing.cpu_megatron import replace_module_torch
+
+    return replace_module_torch(TRAINING_CUDA_MODULES, _TrainingCpuTorch())
+
+
+def enable_megatron_lm_cpu_compat() -> list[str]:
+    """Apply megatron-core's and Megatron-LM's CPU patches once; no-op with CUDA."""
+    if torch.cuda.is_available():
+        return []
+    if _applied:
+        return list(_applied)
+    _applied.extend(enable_cpu_compat())
+    if _patch_initialize_megatron():
+        _applied.append("allow-no-cuda")
+    if _patch_fused_kernels():
+        _applied.append("no-fused-kernels")
+    if _patch_get_model():
+        _applied.append("get-model-stays-on-cpu")
+    if _patch_get_batch():
+        _applied.append("batch-stays-on-cpu")
+    if _patch_compile_helpers():
+        _applied.append("prebuilt-dataset-helpers")
+    modules = _patch_training_modules()
+    if modules:
+        _applied.append("training-cuda-proxy")
+        logger.info("megatron-lm cpu compat: cuda proxy on %s", modules)
+    return list(_applied)
+
+
+def _enable_on_install() -> None:
+    """Make ``mechmon.install()`` (the patched script's call) apply the CPU layer first."""
+    import mechmon_megatron.megatron_lm as alias
+    from mechmon_megatron.adapters import megatron_lm as adapter
+
+    original = adapter.install
+
+    @functools.wraps(original)
+    def install(*args: Any, **kwargs: Any):
+        enable_megatron_lm_cpu_compat()
+        return original(*args, **kwargs)
+
+    alias.install = adapter.install = install
+
+
+def main(argv: Any = None) -> None:
+    """Run ``SCRIPT ARGS...`` as ``__main__`` with the CPU layer applied at ``install()``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: python -m mechmon_megatron.testing.megatron_lm_cpu pretrain_gpt.py [ARGS...]")
+        raise SystemExit(0 if argv else 2)
+    script = os.path.abspath(argv[0])
+    _enable_on_install()
+    sys.argv = [script, *argv[1:]]
+    sys.path.insert(0, os.path.dirname(script))  # as `python SCRIPT` does
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":  # run the imported module, so its state is the one install() sees
+    from mechmon_megatron.testing import megatron_lm_cpu
+
+    megatron_lm_cpu.main()

@@ -1,0 +1,145 @@
+"""The import rules of docs/ARCHITECTURE.md, checked on the source with ``ast``.
+
+Every ``import`` statement counts, including those inside functions (lazy imports).
+
+* core (``monitors``, ``detect``): torch and the standard library only -- no host framework, and
+  nothing of ``session``, ``cli``, ``adapters``, ``research`` or ``testing``;
+* ``session``: the core, no host framework, no ``cli`` / ``adapters`` / ``research`` / ``testing``;
+* ``cli``: the session (flags -> config), nothing else of the package;
+* an adapter folder never imports another adapter folder; the one declared exception is
+  ``megatron_lm`` -> the public entry point of ``megatron_core`` (Megatron-LM trains
+  megatron-core models); the DeepSpeed adapter never imports megatron, the megatron adapters never
+  import deepspeed;
+* the product (everything but ``research`` and ``testing``) never imports ``research`` or ``testing``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "mechmon_megatron"
+PKG = "mechmon_megatron"
+HOSTS = ("megatron", "deepspeed", "transformer_engine", "apex", "flash_attn")
+ADAPTERS = ("megatron_core", "megatron_lm", "deepspeed")
+ALLOWED_ADAPTER_IMPORTS = {"megatron_lm": f"{PKG}.adapters.megatron_core"}
+"""adapter folder -> the one other adapter whose public entry point (its ``__init__``) it may import."""
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> list[str]:
+    return _parse_imports(path.read_text(encoding="utf-8"), _module_name(path), path.name == "__init__.py")
+
+
+def _parse_imports(source: str, module: str, is_package: bool) -> list[str]:
+    """Absolute names of every module ``source`` imports (``from a import b`` gives ``a`` and ``a.b``)."""
+    package = module if is_package else module.rpartition(".")[0]
+    names = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            names.append(base)
+            names += [f"{base}.{alias.name}" for alias in node.names]
+    return names
+
+
+def _files(*subpackages: str) -> list[Path]:
+    roots = [PACKAGE / s for s in subpackages] if subpackages else [PACKAGE]
+    files = []
+    for root in roots:
+        files += [root] if root.suffix == ".py" else sorted(root.rglob("*.py"))
+    return files
+
+
+def _public_names(init: Path) -> set[str]:
+    """The names in ``__all__`` of a package ``__init__``."""
+    for node in ast.parse(init.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return set()
+
+
+def _violations(files: list[Path], forbidden) -> list[str]:
+    return [f"{_module_name(f)} imports {name}" for f in files for name in _imports(f) if forbidden(f, name)]
+
+
+def _under(name: str, *prefixes: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _own(sub: str) -> str:
+    return f"{PKG}.{sub}"
+
+
+PRODUCT = [f for f in _files() if not _under(_module_name(f), _own("research"), _own("testing"))]
+
+
+def test_the_tree_has_the_layers_this_test_knows():
+    for sub in ("monitors", "detect", "session", "cli", "research", "testing", *(f"adapters/{a}" for a in ADAPTERS)):
+        assert (PACKAGE / sub / "__init__.py").is_file(), sub
+    assert {p.name for p in (PACKAGE / "adapters").iterdir() if p.is_dir() and p.name != "__pycache__"} == set(ADAPTERS)
+
+
+def test_core_imports_torch_and_itself_only():
+    allowed_own = (_own("monitors"), _own("detect"))
+    bad = _violations(
+        _files("monitors", "detect"),
+        lambda f, n: _under(n, *HOSTS) or (_under(n, PKG) and not _under(n, *allowed_own) and n != PKG),
+    )
+    assert not bad, bad
+
+
+def test_session_imports_no_host_and_no_outer_layer():
+    outer = (_own("cli"), _own("adapters"), _own("research"), _own("testing"))
+    bad = _violations(_files("session"), lambda f, n: _under(n, *HOSTS) or _under(n, *outer))
+    assert not bad, bad
+
+
+def test_cli_imports_the_session_only():
+    bad = _violations(_files("cli"), lambda f, n: _under(n, *HOSTS) or _under(n, _own("adapters")))
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+def test_no_adapter_imports_another(adapter):
+    others = [_own(f"adapters.{a}") for a in ADAPTERS if a != adapter]
+    foreign_host = ("megatron",) if adapter == "deepspeed" else ("deepspeed",)
+
+    allowed: set[str] = set()
+    if adapter in ALLOWED_ADAPTER_IMPORTS:
+        entry = ALLOWED_ADAPTER_IMPORTS[adapter]
+        init = PACKAGE.parent / entry.replace(".", "/") / "__init__.py"
+        allowed = {entry} | {f"{entry}.{name}" for name in _public_names(init)}
+
+    def forbidden(f: Path, name: str) -> bool:
+        return _under(name, *foreign_host) or (_under(name, *others) and name not in allowed)
+
+    bad = _violations(_files(f"adapters/{adapter}"), forbidden)
+    assert not bad, bad
+
+
+def test_product_never_imports_research_or_testing():
+    bad = _violations(PRODUCT, lambda f, n: _under(n, _own("research"), _own("testing")))
+    assert not bad, bad
+
+
+def test_the_rules_catch_a_violation():
+    """The parser resolves relative and lazy imports (so the rules above are not vacuous)."""
+    source = "def f():\n    from ..research import study\n    from . import names\n"
+    names = _parse_imports(source, f"{PKG}.session.probe", is_package=False)
+    assert f"{PKG}.research" in names and f"{PKG}.research.study" in names and f"{PKG}.session.names" in names
+    assert _parse_imports("from .sites import x\n", f"{PKG}.adapters.deepspeed", True) == [
+        f"{PKG}.adapters.deepspeed.sites", f"{PKG}.adapters.deepspeed.sites.x"]
