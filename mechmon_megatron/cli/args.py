@@ -15,6 +15,16 @@ ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 _DEFAULTS = MechmonConfig()
 
 
+REMOVED_FLAGS = (
+    "--mechmon-detector-warmup",
+    "--mechmon-detector-window",
+    "--mechmon-detector-num-mads",
+    "--mechmon-detector-min-rel-change",
+    "--mechmon-detector-patience",
+)
+"""Flags of the 0.1 per-stream detector; naming one is an error that says what replaced it."""
+
+
 def add_mechmon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``--mechmon*`` flags (an argument group named ``mechmon``) and return the parser."""
     g = parser.add_argument_group(title="mechmon", description="mechanism-driven training monitors")
@@ -89,40 +99,31 @@ def add_mechmon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "topk (default), a number >= 1, or off.",
     )
     g.add_argument(
-        "--mechmon-detector-warmup",
-        type=int,
-        default=_DEFAULTS.detector_warmup,
-        help="Checks forming each stream's baseline.",
-    )
-    g.add_argument(
-        "--mechmon-detector-window",
-        type=int,
-        default=_DEFAULTS.detector_window,
-        help="Past checks in the median/MAD baseline.",
-    )
-    g.add_argument(
-        "--mechmon-detector-num-mads",
+        "--mechmon-false-alarm-rate",
         type=float,
-        default=_DEFAULTS.detector_num_mads,
-        help="Alarm band width in robust sigmas (1.4826 MAD).",
+        default=_DEFAULTS.false_alarm_rate,
+        help="Expected false alarms per 1,000,000 steps for the whole job (default 0.01); every detector "
+        "threshold follows from it.",
     )
     g.add_argument(
-        "--mechmon-detector-min-rel-change",
-        type=float,
-        default=_DEFAULTS.detector_min_rel_change,
-        help="Minimum band half-width relative to |baseline|.",
+        "--mechmon-detector-calibration",
+        type=str,
+        default=None,
+        help="Null-tail table of your own healthy runs (tools/calibrate_detector.py); default: the shipped one.",
     )
-    g.add_argument(
-        "--mechmon-detector-patience",
-        type=int,
-        default=_DEFAULTS.detector_patience,
-        help="Consecutive out-of-band checks to alarm.",
-    )
+    for flag in REMOVED_FLAGS:  # 0.1 flags: accepted by the parser so that the error can name them
+        g.add_argument(flag, type=str, default=None, help=argparse.SUPPRESS)
     return parser
 
 
 def config_from_args(args: argparse.Namespace) -> MechmonConfig:
     """Build and validate the session config; ``ValueError`` names the offending flag."""
+    for flag in REMOVED_FLAGS:
+        if getattr(args, flag[2:].replace("-", "_"), None) is not None:
+            raise ValueError(
+                f"{flag} was removed in mechmon 0.2: the detector sets its thresholds from one number, "
+                "--mechmon-false-alarm-rate (expected false alarms per 10^6 steps for the whole job)."
+            )
     monitors = tuple(m.strip() for m in str(args.mechmon_monitors).split(",") if m.strip())
     return MechmonConfig(
         enabled=bool(args.mechmon),
@@ -141,11 +142,8 @@ def config_from_args(args: argparse.Namespace) -> MechmonConfig:
         per_head_scalars=bool(args.mechmon_per_head_scalars),
         router_entropy_bins=args.mechmon_router_entropy_bins,
         router_min_effective_experts=args.mechmon_router_min_effective_experts,
-        detector_warmup=args.mechmon_detector_warmup,
-        detector_window=args.mechmon_detector_window,
-        detector_num_mads=args.mechmon_detector_num_mads,
-        detector_min_rel_change=args.mechmon_detector_min_rel_change,
-        detector_patience=args.mechmon_detector_patience,
+        false_alarm_rate=args.mechmon_false_alarm_rate,
+        detector_calibration=args.mechmon_detector_calibration,
     )
 
 

@@ -28,11 +28,27 @@ class Alert:
     threshold: Optional[float]
     first_warning_step: Optional[int]
     reason: str = ""
+    level: str = ""
+    """``layer`` or ``family`` for a detector (CUSUM) alarm; empty otherwise."""
+    kind: str = ""
+    """``cusum``, ``limit`` (routing-entropy floor) or ``nonfinite``; empty for a drill."""
+    layers: list[int] = field(default_factory=list)
+    """Every layer that carries the alarm (a family alarm names several)."""
+    heads: list[int] = field(default_factory=list)
+    """Query heads that carry it (residual >= 2 pooled units), in the first layer."""
 
     def describe(self) -> str:
-        where = f"layer {self.layer}" if self.layer is not None else "job"
-        if self.head is not None:
+        if len(self.layers) > 1:
+            where = "layers " + ",".join(str(n) for n in self.layers)
+        else:
+            where = f"layer {self.layer}" if self.layer is not None else "job"
+        if self.heads:
+            where += " heads " + ",".join(str(h) for h in self.heads)
+        elif self.head is not None:
             where += f" head {self.head}"
+        if self.kind == "cusum":
+            head = f"[mechmon] ALARM at iteration {self.iteration}: {self.family} {where}"
+            return f"{head}: {self.reason}; began after step {self.first_warning_step}."
         detail = f"value {self.value:.6g}"
         if self.baseline is not None:
             detail += f", baseline {self.baseline:.6g}"
@@ -67,6 +83,8 @@ class AlertReport:
             "baseline": first.baseline if first else None,
             "threshold": first.threshold if first else None,
             "first_warning_step": first.first_warning_step if first else None,
+            "layers": first.layers if first else [],
+            "heads": first.heads if first else [],
             "last_checkpoint_before_first_warning": self.last_checkpoint_before_first_warning,
             "checkpoint_dir": self.checkpoint_dir,
             "action": self.action,

@@ -7,6 +7,7 @@ key of the ``"mechmon"`` section of a DeepSpeed config (snake_case of the same n
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
@@ -75,25 +76,19 @@ class MechmonConfig:
     exp(mean full-softmax entropy) in [1, E]. ``"topk"`` (default): the router's top-k, i.e.
     alarm when tokens spread their routing probability over fewer experts than each is dispatched
     to (the stable-winner loop has started). It judges the stream from the first check until
-    ``detector_warmup`` checks above it have formed the baseline (then the baseline-relative band
+    the stream's warm-up values above it have formed the baseline (then the detector's CUSUM
     alone decides), so it catches a collapse that starts with training, which the warm-up would
     otherwise absorb, without alarming on a healthy router that sharpens slowly over a long run.
     ``0`` turns it off; top-1 routers have no floor under ``"topk"`` (exp(H) >= 1 always)."""
 
-    detector_warmup: int = 10
-    """Checks that form a stream's baseline before it may alarm."""
+    false_alarm_rate: float = 0.01
+    """Expected false alarms per 1,000,000 training steps for the whole job: the one setting of
+    the detector. Every CUSUM threshold follows from it through the measured null tails and a
+    union bound over the job's tests and checks (docs/METHOD.md, "The whole-job detector")."""
 
-    detector_window: int = 50
-    """Past checks in the robust (median/MAD) baseline."""
-
-    detector_num_mads: float = 6.0
-    """Alarm band: baseline -/+ num_mads * 1.4826 * MAD."""
-
-    detector_min_rel_change: float = 0.05
-    """Floor on the alarm band relative to |baseline| (near-constant streams)."""
-
-    detector_patience: int = 3
-    """Consecutive out-of-band checks before an alarm (the first one is a warning)."""
+    detector_calibration: Optional[str] = None
+    """A null-tail table of your own healthy runs (``tools/calibrate_detector.py``); default: the
+    table shipped with the package (``mechmon_megatron/detect/null_tails.json``)."""
 
     extra: dict = field(default_factory=dict)
     """Host-specific extras (ignored by the session)."""
@@ -123,15 +118,23 @@ class MechmonConfig:
         _require(self.drill_at is None or self.drill_at >= 1, "drill-at", f"must be >= 1, got {self.drill_at}")
         _require(self.router_entropy_bins >= 8, "router-entropy-bins", f"must be >= 8, got {self.router_entropy_bins}")
         self.router_min_effective_experts = _effective_experts_setting(self.router_min_effective_experts)
-        _require(self.detector_warmup >= 2, "detector-warmup", f"must be >= 2, got {self.detector_warmup}")
-        _require(self.detector_window >= 2, "detector-window", f"must be >= 2, got {self.detector_window}")
-        _require(self.detector_num_mads > 0, "detector-num-mads", f"must be > 0, got {self.detector_num_mads}")
         _require(
-            self.detector_min_rel_change >= 0,
-            "detector-min-rel-change",
-            f"must be >= 0, got {self.detector_min_rel_change}",
+            isinstance(self.false_alarm_rate, (int, float)) and math.isfinite(self.false_alarm_rate)
+            and 0 < self.false_alarm_rate <= 1e6,
+            "false-alarm-rate",
+            f"must be a number in (0, 1e6] (false alarms per 10^6 steps), got {self.false_alarm_rate!r}",
         )
-        _require(self.detector_patience >= 1, "detector-patience", f"must be >= 1, got {self.detector_patience}")
+        if self.detector_calibration is not None:
+            _require(
+                os.path.isfile(self.detector_calibration),
+                "detector-calibration",
+                f"must be a null-tail JSON file (tools/calibrate_detector.py), got {self.detector_calibration!r}",
+            )
+
+    @property
+    def overlap(self) -> int:
+        """How many consecutive checks share one increment window: ceil(delta / interval)."""
+        return max(1, math.ceil(self.delta / self.interval))
 
     def router_entropy_floor(self, num_experts: int, topk: int) -> Optional[float]:
         """Floor of one router's mean routing entropy in nats, or None when there is none.

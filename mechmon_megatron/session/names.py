@@ -30,9 +30,13 @@ Router (family ``router``), per MoE layer:
     mechmon/router/eps/layer_L                 conditioning ratio max_i ||w_i - w_bar|| / ||w_bar||
     mechmon/router/max_vio/layer_L             max expert load / mean load - 1 (top-k counts)
     mechmon/router/load_fraction_min/layer_L, mechmon/router/load_fraction_max/layer_L
+Detector (per check; family F in attn_delta2, attn_dw, router_entropy, router_weights):
+    mechmon/detect/F/residual/layer_L      pooled standardised residual u_L (trimmed mean over heads)
+    mechmon/detect/F/cusum/layer_L         the layer's CUSUM statistic S
+    mechmon/detect/F/cusum                 the family's pooled CUSUM (families with > 1 layer)
 Session:
     mechmon/alarm         1 when any stream alarmed at this check (the action ran), else 0
-    mechmon/warnings      number of streams out of band at this check (not yet alarms)
+    mechmon/warnings      number of detector tests above their warning level at this check
     mechmon/overhead_ms   session wall time since the previous check (snapshots + this check), ms,
                           max over ranks (router-logit capture inside the forward is not included)
     mechmon/errors        cumulative count of monitor exceptions swallowed (non-strict mode)
@@ -45,6 +49,7 @@ ALARM = f"{PREFIX}/alarm"
 WARNINGS = f"{PREFIX}/warnings"
 OVERHEAD_MS = f"{PREFIX}/overhead_ms"
 ERRORS = f"{PREFIX}/errors"
+DETECT_PREFIX = f"{PREFIX}/detect"
 
 
 def attn(metric: str, layer_number: int, head: int | None = None) -> str:

@@ -16,20 +16,20 @@ decision reaches every rank in one broadcast.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
 
-from mechmon_megatron.detect import DetectorBank, DetectorConfig, default_detector_configs
+from mechmon_megatron.detect.pooled_cusum import PooledCusumDetector
 from mechmon_megatron.session import names
 from mechmon_megatron.session.alert import Alert, AlertReport
 from mechmon_megatron.session.attention_check import check_full, check_heads, snapshot_full, snapshot_heads
 from mechmon_megatron.session.config import MechmonConfig
+from mechmon_megatron.session.detector_inputs import observation
+from mechmon_megatron.session.detector_setup import alert_of, build_detector, job_shape, local_layers
 from mechmon_megatron.session.host import AttentionSite, Communicator, LocalCommunicator, RouterSite
 from mechmon_megatron.session.records import CheckOutput, merge_partials
 from mechmon_megatron.session.router_check import empty_vector, local_router_vector, router_output
@@ -37,24 +37,9 @@ from mechmon_megatron.session.writers import ScalarWriter, WriterGroup
 
 logger = logging.getLogger(__name__)
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+"""2: the whole-job detector (0.2); 1: the per-stream detector of 0.1 (its baselines are not reused)."""
 _NO_ALARM, _ALARM = 0, 1
-
-
-def detector_configs(config: MechmonConfig) -> dict[str, DetectorConfig]:
-    """Per-family detector configs: the family defaults (direction etc.) with the session's
-    ``detector_*`` settings applied to every family."""
-    out = {}
-    for family, base in default_detector_configs().items():
-        out[family] = dataclasses.replace(
-            base,
-            warmup=config.detector_warmup,
-            window=config.detector_window,
-            num_mads=config.detector_num_mads,
-            min_rel_change=config.detector_min_rel_change,
-            patience=config.detector_patience,
-        )
-    return out
 
 
 @dataclass
@@ -91,7 +76,12 @@ class MonitoringSession:
         self._router_floors = [config.router_entropy_floor(s.num_experts, s.topk) for s in self.router_sites]
         self.comm = comm or LocalCommunicator()
         self.writer = writer or WriterGroup()
-        self.detectors = DetectorBank(detector_configs(config))
+        # Built by the writer at the first check, from every rank's layers (detector_setup).
+        self.detector: Optional[PooledCusumDetector] = None
+        self.detector_account: Optional[dict] = None
+        self._pending_detector_state: Optional[dict] = None
+        self._local_layers = local_layers(config, self.attention_sites, self.router_sites)
+        self._active_warnings: set = set()
         self.capturing = False
         self.errors = 0
         self.checkpoints: list[dict] = []  # [{"iteration": i, "path": p}] saved so far
@@ -150,7 +140,8 @@ class MonitoringSession:
         if not self.enabled or not self.comm.is_writer:
             return None
         alerts = self._pending_abort.alerts if self._pending_abort else self.alerts[-1:]
-        first_warning = min((a.first_warning_step or a.iteration) for a in alerts) if alerts else iteration
+        starts = [a.iteration if a.first_warning_step is None else a.first_warning_step for a in alerts]
+        first_warning = min(starts) if starts else iteration
         before = [c for c in self.checkpoints if c["iteration"] < first_warning]
         report = AlertReport(
             iteration=iteration,
@@ -169,9 +160,10 @@ class MonitoringSession:
     def state_dict(self) -> dict:
         if not self.enabled:
             return {}
+        detector = self.detector.state_dict() if self.detector is not None else self._pending_detector_state
         return {
             "version": STATE_VERSION,
-            "detectors": self.detectors.state_dict(),
+            "detector": detector,
             "checkpoints": list(self.checkpoints),
             "errors": self.errors,
         }
@@ -179,11 +171,19 @@ class MonitoringSession:
     def load_state_dict(self, state: dict) -> None:
         if not self.enabled or not state:
             return
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(
-                f"mechmon state version {state.get('version')} is not supported (expected {STATE_VERSION})"
+        version = state.get("version")
+        if version == 1:
+            logger.warning(
+                "[mechmon] checkpoint holds detector state of mechmon 0.1 (per-stream rule); the whole-job "
+                "detector re-learns its baselines from the next checks"
             )
-        self.detectors.load_state_dict(state["detectors"])
+        elif version != STATE_VERSION:
+            raise ValueError(f"mechmon state version {version} is not supported (expected {STATE_VERSION} or 1)")
+        elif state.get("detector") is not None:
+            if self.detector is not None:
+                self.detector.load_state_dict(state["detector"])
+            else:
+                self._pending_detector_state = state["detector"]
         self.checkpoints = list(state.get("checkpoints", []))
         self.errors = int(state.get("errors", 0))
 
@@ -261,6 +261,7 @@ class MonitoringSession:
         outputs = [o for o in outputs if o is not None]
 
         payload = {
+            "layers": self._local_layers,
             "scalars": [o.scalars for o in outputs],
             "streams": [s for o in outputs for s in o.streams],
             "nonfinite": [report for o in outputs for report in o.nonfinite],
@@ -290,11 +291,29 @@ class MonitoringSession:
             alerts = [_drill_alert(iteration)]
         return Decision(iteration, alarm=alarm, alerts=alerts)
 
+    def _ensure_detector(self, gathered: list[dict]) -> PooledCusumDetector:
+        if self.detector is None:
+            shape = job_shape(self.config, [payload["layers"] for payload in gathered])
+            self.detector, self.detector_account = build_detector(self.config, shape)
+            if self._pending_detector_state is not None:
+                self.detector.load_state_dict(self._pending_detector_state)
+                self._pending_detector_state = None
+            account = self.detector_account
+            logger.info(
+                "[mechmon] detector: %d tests (layers %s), %.3g false alarms per 10^6 steps -> %.3g per test-check; "
+                "alarm thresholds %s",
+                account["tests"], account["layers"], account["false_alarm_rate_per_million_steps"],
+                account["per_test_check_probability"],
+                {f: (round(t["layer"]["alarm"], 2), round(t["family"]["alarm"], 2))
+                 for f, t in account["thresholds"].items()},
+            )
+        return self.detector
+
     def _decide(self, iteration: int, gathered: list[dict], drill: bool = False) -> list[Alert]:
-        """Writer rank: write scalars, feed detectors, return the alarms of this check."""
+        """Writer rank: feed the detector, decide, then write the scalars (a writer failure is
+        logged and never changes the decision). Returns the alarms of this check."""
         scalars = merge_partials([part for payload in gathered for part in payload["scalars"]])
         alerts: list[Alert] = [_drill_alert(iteration)] if drill else []
-        warnings = 0
         for payload in gathered:
             for report in payload["nonfinite"]:
                 alerts.append(
@@ -309,41 +328,45 @@ class MonitoringSession:
                         threshold=None,
                         first_warning_step=iteration,
                         reason=report.message,
+                        kind="nonfinite",
+                        layers=[] if report.layer_number is None else [report.layer_number],
                     )
                 )
-            for stream in payload["streams"]:
-                event = self.detectors.update(
-                    stream.name, iteration, stream.value, family=stream.family, limit=stream.limit
-                )
-                if event.status == "warning":
-                    warnings += 1
-                elif event.fired:  # the first check of an alarm episode; re-arm gates the next
-                    alerts.append(
-                        Alert(
-                            iteration=iteration,
-                            family=stream.family,
-                            stream=stream.name,
-                            layer=stream.layer_number,
-                            head=stream.head,
-                            value=stream.value,
-                            baseline=_finite_or_none(event.baseline),
-                            threshold=_finite_or_none(event.threshold),
-                            first_warning_step=event.first_warning_step,
-                            reason=stream.limit_reason if event.beyond_limit else
-                            "spectral collapse / routing collapse relative to this run's own baseline",
-                        )
-                    )
+        observations = [
+            obs
+            for payload in gathered
+            for stream in payload["streams"]
+            if (obs := observation(stream.name, stream.value, stream.limit, stream.limit_reason)) is not None
+        ]
+        result = self._ensure_detector(gathered).update(iteration, observations)
+        alerts.extend(alert_of(alarm, self.config) for alarm in result.alarms)
+        self._log_new_warnings(iteration, result.warnings)
+        scalars.update({f"{names.DETECT_PREFIX}/{key}": value for key, value in result.statistics.items()})
         scalars[names.ALARM] = 1.0 if alerts else 0.0
-        scalars[names.WARNINGS] = float(warnings)
+        scalars[names.WARNINGS] = float(len(result.warnings))
         scalars[names.ERRORS] = float(sum(p["errors"] for p in gathered))
         scalars[names.OVERHEAD_MS] = 1000.0 * max(p["overhead_s"] for p in gathered)
-        self.writer.write_scalars(scalars, iteration)
-        self.writer.flush()
+        self.alerts.extend(alerts)
         for alert in alerts:
             if self.config.action != "log":
                 logger.warning(alert.describe())
-        self.alerts.extend(alerts)
+        try:
+            self.writer.write_scalars(scalars, iteration)
+            self.writer.flush()
+        except Exception:  # noqa: BLE001 -- losing scalars must never lose an alarm
+            if self.config.strict:
+                raise
+            self.errors += 1
+            logger.exception("[mechmon] writing scalars failed at iteration %d (the decision stands)", iteration)
         return alerts
+
+    def _log_new_warnings(self, iteration: int, warnings: list) -> None:
+        current = set(warnings)
+        for family, layer in sorted(current - self._active_warnings, key=str):
+            where = "all layers" if layer is None else f"layer {layer}"
+            logger.warning("[mechmon] warning at iteration %d: %s %s is drifting towards an alarm", iteration,
+                           family, where)
+        self._active_warnings = current
 
     def _drill(self, iteration: int) -> Decision:
         """Synthetic alarm at --mechmon-drill-at off a check step: every rank knows the step."""
@@ -371,5 +394,3 @@ def _drill_alert(iteration: int) -> Alert:
     )
 
 
-def _finite_or_none(x: float) -> Optional[float]:
-    return x if math.isfinite(x) else None

@@ -28,14 +28,14 @@ def test_full_section_round_trip(tmp_path):
         "drill_at": 7,
         "log_dir": "runs/x",
         "per_head_scalars": True,
-        "detector_num_mads": 4,
+        "false_alarm_rate": 0.5,
         "checkpoint_dir": "ckpt",
     }
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_batch_size": 2, "mechmon": section}))
     cfg = config_from_ds_config(path)
     assert (cfg.enabled, cfg.interval, cfg.delta, cfg.monitors, cfg.alpha) == (True, 10, 5, ("router",), 1.0)
-    assert (cfg.action, cfg.exit_code, cfg.drill_at, cfg.detector_num_mads) == ("checkpoint-and-abort", 43, 7, 4.0)
+    assert (cfg.action, cfg.exit_code, cfg.drill_at, cfg.false_alarm_rate) == ("checkpoint-and-abort", 43, 7, 0.5)
     assert cfg.extra == {"checkpoint_dir": "ckpt"}
     assert parse_section({"router_min_effective_experts": 1.5}).router_min_effective_experts == 1.5
     assert parse_section({"router_min_effective_experts": "off"}).router_min_effective_experts == 0.0

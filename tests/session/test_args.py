@@ -75,6 +75,10 @@ def test_chaining_keeps_other_providers_flags():
         (["--mechmon-monitors", "attn,moe"], "--mechmon-monitors"),
         (["--mechmon-router-min-effective-experts", "0.5"], "--mechmon-router-min-effective-experts"),
         (["--mechmon-router-min-effective-experts", "half"], "--mechmon-router-min-effective-experts"),
+        (["--mechmon-false-alarm-rate", "-1"], "--mechmon-false-alarm-rate"),
+        (["--mechmon-detector-calibration", "missing.json"], "--mechmon-detector-calibration"),
+        (["--mechmon-detector-num-mads", "3"], "--mechmon-false-alarm-rate"),  # removed flag names its successor
+        (["--mechmon-detector-patience", "2"], "--mechmon-detector-patience"),
     ],
 )
 def test_bad_flag_fails_at_startup_naming_it(argv, flag, capsys):

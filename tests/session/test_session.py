@@ -27,14 +27,14 @@ class ToyAttention:
         self.wk = torch.randn(GROUPS, HEAD_DIM, HIDDEN, generator=g) * 0.02
         self.gen = g
 
-    def step(self, coherent_head: int | None = None, scale: float = 1e-3) -> None:
+    def step(self, coherent_heads: tuple[int, ...] = (), scale: float = 1e-3) -> None:
         self.wq += scale * torch.randn(self.wq.shape, generator=self.gen)
         self.wk += scale * torch.randn(self.wk.shape, generator=self.gen)
-        if coherent_head is not None:
-            # The fault signature: one rank-1 direction added to one head every step.
+        for head in coherent_heads:
+            # The fault signature: one rank-1 direction added to a head every step.
             u = torch.ones(HEAD_DIM, 1) / math.sqrt(HEAD_DIM)
             v = torch.ones(1, HIDDEN) / math.sqrt(HIDDEN)
-            self.wq[coherent_head] += 40 * scale * (u @ v)
+            self.wq[head] += 40 * scale * (u @ v)
 
     def site(self) -> AttentionSite:
         return AttentionSite(
@@ -45,7 +45,8 @@ class ToyAttention:
 
 
 def make_session(tmp_path, layers, routers=(), **overrides) -> MonitoringSession:
-    cfg = dict(enabled=True, interval=5, delta=5, detector_warmup=5, detector_patience=2, log_dir=str(tmp_path))
+    # interval 5: the detector's warm-up is 200 steps (40 checks)
+    cfg = dict(enabled=True, interval=5, delta=5, log_dir=str(tmp_path))
     cfg.update(overrides)
     writer = WriterGroup(
         [JsonlScalarWriter(str(tmp_path / "scalars.jsonl")), TensorBoardScalarWriter.in_directory(str(tmp_path / "tb"))]
@@ -53,14 +54,14 @@ def make_session(tmp_path, layers, routers=(), **overrides) -> MonitoringSession
     return MonitoringSession(MechmonConfig(**cfg), [layer.site() for layer in layers], list(routers), writer=writer)
 
 
-def run(session, layers, steps, start=0, fault_from=None, fault_head=1, fault_layer=0):
+def run(session, layers, steps, start=0, fault_from=None, fault_heads=(0, 1, 2, 3), fault_layer=0):
     decisions = []
     session.on_train_start(start)
     for it in range(start + 1, start + steps + 1):
         session.on_step_start(it)
         for i, layer in enumerate(layers):
             faulty = fault_from is not None and it >= fault_from and i == fault_layer
-            layer.step(coherent_head=fault_head if faulty else None)
+            layer.step(coherent_heads=fault_heads if faulty else ())
         decisions.append(session.on_step_end(it))
     return decisions
 
@@ -79,30 +80,39 @@ def test_disabled_session_does_nothing(tmp_path):
 def test_healthy_run_writes_scalars_and_never_alarms(tmp_path):
     layers = [ToyAttention(1, 0), ToyAttention(2, 1)]
     session = make_session(tmp_path, layers)
-    decisions = run(session, layers, 100)
+    decisions = run(session, layers, 400)
     session.close()
     assert not any(d.alarm for d in decisions)
     rows = read_jsonl(tmp_path / "scalars.jsonl")
-    assert [r["step"] for r in rows] == list(range(5, 101, 5))
+    assert [r["step"] for r in rows] == list(range(5, 401, 5))
     last = rows[-1]["scalars"]
     for layer in (1, 2):
         assert names.attn("delta2_entropy", layer) in last
         assert names.attn("dw_entropy", layer) in last
     assert last[names.ALARM] == 0.0 and last[names.ERRORS] == 0.0 and last[names.OVERHEAD_MS] > 0
+    assert "mechmon/detect/attn_delta2/cusum/layer_2" in last and "mechmon/detect/attn_dw/cusum" in last
 
 
-def test_coherent_update_alarms_naming_layer_and_head(tmp_path):
+def test_coherent_update_alarms_naming_layer_and_heads(tmp_path):
     layers = [ToyAttention(1, 0), ToyAttention(2, 1)]
     session = make_session(tmp_path, layers, action="warn")
-    decisions = run(session, layers, 120, fault_from=61, fault_head=3, fault_layer=1)
+    decisions = run(session, layers, 330, fault_from=301, fault_heads=(1, 2, 3), fault_layer=1)
     alarms = [a for d in decisions for a in d.alerts]
     assert alarms, "a coherent rank-1 update stream must alarm"
     first = alarms[0]
-    assert first.iteration > 60
-    assert first.layer == 2
+    assert 300 < first.iteration <= 320 and first.layer == 2 and first.kind == "cusum"
     head_alarms = [a for a in alarms if a.family == "attn_delta2"]
-    assert head_alarms and all(a.head == 3 for a in head_alarms)
-    assert not any(d.alarm for d in decisions if d.iteration <= 60)
+    assert head_alarms and set(head_alarms[0].heads) <= {1, 2, 3} and head_alarms[0].heads
+    assert first.first_warning_step >= 295  # the change point: the CUSUM's last zero before the shift
+    assert "layer 2" in first.describe()
+    assert not any(d.alarm for d in decisions if d.iteration <= 300)
+
+
+def test_one_wild_head_is_not_a_head_alarm(tmp_path):
+    layers = [ToyAttention(1, 0), ToyAttention(2, 1)]
+    session = make_session(tmp_path, layers)
+    decisions = run(session, layers, 330, fault_from=301, fault_heads=(3,), fault_layer=1)
+    assert not [a for d in decisions for a in d.alerts if a.family == "attn_delta2"]
 
 
 def test_tensorboard_event_file_has_mechmon_scalars(tmp_path):
@@ -137,17 +147,25 @@ def test_drill_raises_alarm_and_abort_decision(tmp_path):
 def test_state_round_trip_keeps_baseline_no_warmup_after_resume(tmp_path):
     layers = [ToyAttention(1, 0)]
     session = make_session(tmp_path, layers)
-    run(session, layers, 50)
+    run(session, layers, 250)
     state = json.loads(json.dumps(session.state_dict()))  # must survive JSON (checkpoints, alerts)
+    assert state["version"] == 2 and state["detector"]["trends"]
     resumed = make_session(tmp_path / "b", layers)
     resumed.load_state_dict(state)
-    det_a = session.detectors[names.attn("delta2_entropy", 1, 0)]
-    det_b = resumed.detectors[names.attn("delta2_entropy", 1, 0)]
-    assert det_a.state_dict() == det_b.state_dict()
+    assert resumed.state_dict()["detector"] == state["detector"]  # pending until the first check
     # Fault right after resume: the restored baseline alarms without a new warm-up period.
-    decisions = run(resumed, layers, 40, start=50, fault_from=51, fault_head=0)
+    decisions = run(resumed, layers, 40, start=250, fault_from=251)
     first = next(d for d in decisions if d.alarm)
-    assert first.iteration <= 50 + 5 * (2 + 2)  # no snapshot at 55, then patience checks
+    assert first.iteration <= 250 + 20  # no snapshot at 255, then a few checks of CUSUM
+
+
+def test_state_of_the_per_stream_detector_is_not_reused(tmp_path, caplog):
+    layers = [ToyAttention(1, 0)]
+    session = make_session(tmp_path, layers)
+    session.load_state_dict({"version": 1, "detectors": {}, "checkpoints": [{"iteration": 5, "path": None}]})
+    assert session.checkpoints == [{"iteration": 5, "path": None}] and "re-learns" in caplog.text
+    with pytest.raises(ValueError, match="version 7"):
+        session.load_state_dict({"version": 7})
 
 
 def test_nonfinite_weights_alarm_names_layer(tmp_path):
@@ -211,6 +229,9 @@ def test_router_site_statistics(tmp_path):
         ({"router_min_effective_experts": 0.5}, "--mechmon-router-min-effective-experts"),
         ({"router_min_effective_experts": "many"}, "--mechmon-router-min-effective-experts"),
         ({"router_min_effective_experts": math.inf}, "--mechmon-router-min-effective-experts"),
+        ({"false_alarm_rate": 0.0}, "--mechmon-false-alarm-rate"),
+        ({"false_alarm_rate": math.nan}, "--mechmon-false-alarm-rate"),
+        ({"detector_calibration": "/no/such/tails.json"}, "--mechmon-detector-calibration"),
     ],
 )
 def test_bad_config_names_the_flag(overrides, flag):
@@ -242,9 +263,9 @@ def test_routing_entropy_floor_alarms_inside_the_warmup(tmp_path):
     # Entropy of (e^8, 1, 1, 1)/Z is ~0.01 nats: 1.0 effective expert, below top-k = 2.
     decisions, rows = _router_session(tmp_path, _peaked_logits(8.0))
     alarms = [d for d in decisions if d.alarm]
-    # warmup 5 checks, patience 2: the floor fires at the second check, where the baseline
-    # rule could not judge anything yet.
-    assert [d.iteration for d in alarms] == [10]
+    # the floor fires at the third check below it (inside the 40-check warm-up), where the
+    # baseline-relative rule could not judge anything yet.
+    assert [d.iteration for d in alarms] == [15]
     alert = alarms[0].alerts[0]
     assert (alert.family, alert.layer, alert.baseline) == ("router_entropy", 1, None)
     assert alert.threshold == pytest.approx(math.log(2)) and "effective experts" in alert.reason
@@ -269,7 +290,7 @@ def test_routing_entropy_above_the_floor_is_quiet(tmp_path):
     assert not any(d.alarm for d in decisions)
     # A user floor above that level alarms on the same router.
     decisions, _ = _router_session(tmp_path, _peaked_logits(1.0), router_min_effective_experts=3.9)
-    assert [d.iteration for d in decisions if d.alarm] == [10]
+    assert [d.iteration for d in decisions if d.alarm] == [15]
 
 
 def test_top1_router_has_no_floor_under_topk():

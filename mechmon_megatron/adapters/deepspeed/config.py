@@ -31,11 +31,10 @@ SECTION = "mechmon"
 PREFIX = f"ds_config.{SECTION}"
 EXTRA_KEYS = ("checkpoint_dir", "attention_mapping")
 _FIELDS = {f.name: f for f in dataclasses.fields(MechmonConfig) if f.name != "extra"}
-_INT_KEYS = ("interval", "delta", "exit_code", "drill_at", "router_entropy_bins", "detector_warmup",
-             "detector_window", "detector_patience")
-_FLOAT_KEYS = ("alpha", "detector_num_mads", "detector_min_rel_change")
+_INT_KEYS = ("interval", "delta", "exit_code", "drill_at", "router_entropy_bins")
+_FLOAT_KEYS = ("alpha", "false_alarm_rate")
 _BOOL_KEYS = ("enabled", "full_matrix_dw", "strict", "per_head_scalars")
-_STR_KEYS = ("qk_method", "action", "snapshot_device", "log_dir")
+_STR_KEYS = ("qk_method", "action", "snapshot_device", "log_dir", "detector_calibration")
 
 
 def read_ds_config(source: Union[str, os.PathLike, Mapping[str, Any]]) -> dict:

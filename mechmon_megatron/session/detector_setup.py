@@ -1,0 +1,107 @@
+"""The session's whole-job detector: which layers the job monitors, the thresholds, the alerts.
+
+Every rank sends the layer numbers of its monitored sites with each check; the writer rank builds
+:class:`~mechmon_megatron.detect.pooled_cusum.PooledCusumDetector` at the first check from
+their union (the job shape the union bound counts), with thresholds set from
+``MechmonConfig.false_alarm_rate`` through the null tails (shipped, or
+``detector_calibration``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Optional
+
+from mechmon_megatron.detect.null_model import JobShape, load_tail_table, thresholds_for_job
+from mechmon_megatron.detect.pooled_cusum import PooledAlarm, PooledCusumDetector, default_sequential_config
+from mechmon_megatron.session.alert import Alert
+from mechmon_megatron.session.config import MechmonConfig
+from mechmon_megatron.session.host import AttentionSite, RouterSite
+
+logger = logging.getLogger(__name__)
+
+
+def local_layers(
+    config: MechmonConfig, attention_sites: Sequence[AttentionSite], router_sites: Sequence[RouterSite]
+) -> dict[str, list[int]]:
+    """Family -> global layer numbers this rank's sites feed (sorted)."""
+    attn = sorted({s.layer_number for s in attention_sites})
+    routers = sorted({s.layer_number for s in router_sites})
+    out: dict[str, list[int]] = {}
+    if attn:
+        out["attn_delta2"] = attn
+        if config.full_matrix_dw:
+            out["attn_dw"] = attn
+    if routers:
+        out["router_entropy"] = routers
+        out["router_weights"] = routers
+    return out
+
+
+def job_shape(config: MechmonConfig, per_rank: Iterable[Mapping[str, Sequence[int]]]) -> JobShape:
+    """The union of every rank's layers, as the union bound counts them."""
+    layers: dict[str, set[int]] = {}
+    for rank_layers in per_rank:
+        for family, numbers in rank_layers.items():
+            layers.setdefault(family, set()).update(numbers)
+    return JobShape(layers={f: len(v) for f, v in sorted(layers.items())}, interval=config.interval,
+                    overlap=config.overlap)
+
+
+def build_detector(config: MechmonConfig, shape: JobShape) -> tuple[PooledCusumDetector, dict[str, Any]]:
+    """The detector and a JSON account of its thresholds (logged once by the writer)."""
+    table = load_tail_table(config.detector_calibration)
+    thresholds, account = thresholds_for_job(shape, config.false_alarm_rate, table)
+    account["calibration"] = config.detector_calibration or "shipped (mechmon_megatron/detect/null_tails.json)"
+    account["layers"] = dict(shape.layers)
+    for note in account["notes"]:
+        logger.warning("[mechmon] detector: %s", note)
+    return PooledCusumDetector(thresholds, default_sequential_config(config.interval)), account
+
+
+def _head_index(member: str) -> Optional[int]:
+    return int(member[5:]) if member.startswith("head_") and member[5:].isdigit() else None
+
+
+def alert_of(alarm: PooledAlarm, config: MechmonConfig) -> Alert:
+    """The alert record of a fired alarm.
+
+    ``first_warning_step`` is the earliest step the shift can have begun: for a CUSUM alarm the
+    first check after the CUSUM's last zero saw the window ``(change + interval - delta, ...]``;
+    for the absolute limit, the first of its ``limit_patience`` checks.
+    """
+    heads = [h for h in (_head_index(m) for m in alarm.members) if h is not None]
+    layer = alarm.layers[0] if alarm.layers else None
+    if alarm.kind == "cusum":
+        stream = f"mechmon/detect/{alarm.family}/cusum" + (f"/layer_{layer}" if alarm.level == "layer" else "")
+        start = alarm.change_step if alarm.change_step is not None else alarm.step - config.interval
+        first = max(0, start + config.interval - config.delta)
+        reason = (
+            f"{alarm.family} shifted towards collapse: CUSUM {alarm.statistic:.3g} > {alarm.threshold:.3g} "
+            f"({alarm.level} test; set by --mechmon-false-alarm-rate {config.false_alarm_rate:g})"
+        )
+    elif alarm.kind == "limit":
+        stream = f"{alarm.family}/layer_{layer}"
+        first = max(0, alarm.step - 2 * config.interval)
+        reason = alarm.reason
+    else:
+        stream = f"{alarm.family}/layer_{layer}"
+        first = alarm.step
+        reason = alarm.reason
+    return Alert(
+        iteration=alarm.step,
+        family=alarm.family,
+        stream=stream,
+        layer=layer,
+        head=heads[0] if heads else None,
+        value=alarm.statistic,
+        baseline=None,
+        threshold=alarm.threshold,
+        first_warning_step=first,
+        reason=reason,
+        level=alarm.level,
+        kind=alarm.kind,
+        layers=list(alarm.layers),
+        heads=heads,
+    )
