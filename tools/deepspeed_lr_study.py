@@ -144,11 +144,11 @@ def plot(out: str, specs: list[RunSpec], results: list[dict[str, Any]]) -> str:
     return plot_effective_experts(panels, floor, os.path.join(out, "effective_experts.png"))
 
 
-def analyze(out: str, specs: list[RunSpec]) -> list[dict[str, Any]]:
+def analyze(out: str, specs: list[RunSpec], interval: int = 20, delta: int = 100) -> list[dict[str, Any]]:
     results = []
     for spec in specs:
         data = load_run(out, spec)
-        run = analyze_run(data, fault_onset=spec.fault_onset)
+        run = analyze_run(data, fault_onset=spec.fault_onset, interval=interval, delta=delta)
         tail = data.loss[-50:]
         results.append(
             {
@@ -241,7 +241,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for r in launched:
             if r.returncode:
                 print(f"run {r.spec.run_id} exited {r.returncode}:\n{r.tail}", file=sys.stderr)
-    results = analyze(args.out, specs)
+    results = analyze(args.out, specs, args.interval, args.delta)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "results.json")
     if wall is None and os.path.exists(path):  # --analyze-only keeps the training time it measured

@@ -33,14 +33,12 @@ import json
 import math
 import sys
 
-from mechmon_megatron.detect import DetectorBank
+from mechmon_megatron.detect import DetectorBank, default_detector_configs
 from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE, JobShape, thresholds_for_job
 from mechmon_megatron.detect.pooled_cusum import default_sequential_config
 from mechmon_megatron.research.study.campaign_data import load_checks
 from mechmon_megatron.research.study.pooled_replay import fit_tail_table, null_statistics, subsample
-from mechmon_megatron.session.config import MechmonConfig
 from mechmon_megatron.session.detector_inputs import stream_family
-from mechmon_megatron.session.session import detector_configs
 
 
 def expected_false_alarms(shape: JobShape, thresholds, table, checks: int, point_estimate: bool = False) -> float:
@@ -89,7 +87,7 @@ def old_rule_rate(series) -> dict:
     """Alarms of the 0.1 per-stream rule (session defaults) per stream-check on healthy runs."""
     fired = stream_checks = 0
     for checks in series:
-        bank = DetectorBank(detector_configs(MechmonConfig()))
+        bank = DetectorBank(default_detector_configs())  # the 0.1 session defaults
         for step, scalars in checks:
             for name in sorted(scalars):
                 family = stream_family(name)

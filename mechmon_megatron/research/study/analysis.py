@@ -56,16 +56,18 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from mechmon_megatron.detect import DetectorBank
+from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE, load_tail_table
+from mechmon_megatron.detect.pooled_cusum import default_sequential_config
 from mechmon_megatron.research.baselines.symptom_rules import GrowthRule, build_symptom_rules
+from mechmon_megatron.research.study.pooled_replay import replay_pooled, thresholds_at_rate
 from mechmon_megatron.session import names
-from mechmon_megatron.session.config import MechmonConfig
-from mechmon_megatron.session.session import detector_configs
+from mechmon_megatron.session.detector_inputs import observations_from_scalars, stream_family
+
+__all__ = ["stream_family"]  # re-exported: the family of a recorded scalar (session.detector_inputs)
 
 MECHMON_FAMILIES: tuple[str, ...] = ("attn_delta2", "attn_dw", "router_entropy", "router_weights")
 SYMPTOM_KEYS: tuple[str, ...] = (
@@ -84,73 +86,26 @@ _SYMPTOM_RULE_OF_KEY = {
     "max_attn_logit": "max_attn_logit/growth",
 }
 
-_STREAM_PATTERNS: tuple[tuple[re.Pattern, str], ...] = (
-    (re.compile(r"^mechmon/attn/delta2_entropy/layer_\d+/head_\d+$"), "attn_delta2"),
-    (re.compile(r"^mechmon/attn/dwk?_entropy/layer_\d+$"), "attn_dw"),
-    (re.compile(r"^mechmon/router/token_entropy/layer_\d+$"), "router_entropy"),
-    (re.compile(r"^mechmon/router/weight_similarity/layer_\d+$"), "router_weights"),
-)
-
-
-def stream_family(name: str) -> Optional[str]:
-    """Detector family of a scalar name, or None if the session does not judge that scalar."""
-    for pattern, family in _STREAM_PATTERNS:
-        if pattern.match(name):
-            return family
-    return None
-
-
-def recorded_limit(name: str, scalars: Mapping[str, float]) -> Optional[float]:
-    """The absolute limit the session applied to a stream at a check, from the same check's
-    scalars: ``mechmon/router/token_entropy_floor/layer_L`` for the routing entropy of layer L
-    (absent when the floor was off, or in runs recorded before the floor existed)."""
-    prefix = f"{names.PREFIX}/router/token_entropy/"
-    if not name.startswith(prefix):
-        return None
-    return scalars.get(f"{names.PREFIX}/router/token_entropy_floor/{name[len(prefix):]}")
-
-
-_SESSION_DEFAULTS = MechmonConfig()
-
-
 @dataclass(kw_only=True, frozen=True, slots=True)
 class DetectorSetting:
-    """The ``--mechmon-detector-*`` settings of a replay (one set for every scenario)."""
+    """The detector setting of a replay: the whole-job false-alarm rate (one for every scenario)."""
 
-    warmup: int = _SESSION_DEFAULTS.detector_warmup
-    window: int = _SESSION_DEFAULTS.detector_window
-    num_mads: float = _SESSION_DEFAULTS.detector_num_mads
-    min_rel_change: float = _SESSION_DEFAULTS.detector_min_rel_change
-    patience: int = _SESSION_DEFAULTS.detector_patience
-
-    def mechmon_config(self) -> MechmonConfig:
-        return MechmonConfig(
-            enabled=True,
-            detector_warmup=self.warmup,
-            detector_window=self.window,
-            detector_num_mads=self.num_mads,
-            detector_min_rel_change=self.min_rel_change,
-            detector_patience=self.patience,
-        )
+    false_alarm_rate: float = DEFAULT_FALSE_ALARM_RATE
+    """``--mechmon-false-alarm-rate``: expected false alarms per 10^6 steps for the run's job."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 DEFAULT_DETECTOR = DetectorSetting()
-"""The session's default detector settings (used when a study has no calibration run)."""
+"""The session's default (what the study's runs used online)."""
 
 CALIBRATION_CANDIDATES: tuple[DetectorSetting, ...] = tuple(
-    DetectorSetting(num_mads=k, min_rel_change=r, patience=p)
-    for k, r, p in (
-        (3.0, 0.02, 2), (3.0, 0.02, 3), (4.0, 0.03, 3), (4.0, 0.05, 3), (6.0, 0.05, 3),
-        (6.0, 0.08, 4), (8.0, 0.10, 5), (10.0, 0.15, 6),
-    )
+    DetectorSetting(false_alarm_rate=r) for r in (1e4, 1e3, 1e2, 10.0, 1.0, 0.1, 0.01, 1e-3)
 )
-"""Detector settings from most to least sensitive (warmup 10 checks, median of the last 50).
-The study takes the first one that raises no mechmon alarm on the clean calibration run (a seed
-that is not reported), then goes ``CALIBRATION_MARGIN`` candidates further towards the less
-sensitive end, so that the setting is not exactly at the edge of the calibration run's noise."""
+"""Rates from most to least sensitive, for a study run with an explicit clean calibration seed:
+it takes the first rate with no mechmon alarm on that run, then ``CALIBRATION_MARGIN`` rates
+further towards the less sensitive end."""
 
 CALIBRATION_MARGIN = 1
 
@@ -275,21 +230,25 @@ class RunData:
 
 
 # ------------------------------------------------------------------------------- replays
-def replay_mechmon(data: RunData, setting: DetectorSetting = DEFAULT_DETECTOR) -> dict[str, Any]:
-    """First fired alarm per family (min over its streams) and the stream that fired first."""
-    bank = DetectorBank(detector_configs(setting.mechmon_config()))
-    for step, scalars in data.checks:
-        for name in sorted(scalars):
-            family = stream_family(name)
-            if family is not None:
-                bank.update(name, step, scalars[name], family=family, limit=recorded_limit(name, scalars))
-    first: dict[str, Optional[int]] = {f: None for f in MECHMON_FAMILIES}
+def replay_mechmon(data: RunData, setting: DetectorSetting = DEFAULT_DETECTOR, interval: int = 20,
+                   delta: int = 100) -> dict[str, Any]:
+    """First alarm per family of the whole-job detector replayed at ``setting`` (the session's
+    shipped null tails, the thresholds of this run's layers), and who carried it."""
+    if not data.checks:
+        return {"first_alarm": {f: None for f in MECHMON_FAMILIES}, "first_stream": {f: None for f in MECHMON_FAMILIES},
+                "num_streams": 0}
+    overlap = max(1, math.ceil(delta / interval))
+    thresholds, _ = thresholds_at_rate(data.checks, interval, overlap, setting.false_alarm_rate, load_tail_table())
+    replay = replay_pooled(data.checks, thresholds, default_sequential_config(interval))
     first_stream: dict[str, Optional[str]] = {f: None for f in MECHMON_FAMILIES}
-    for stream, step in bank.first_alarm_steps().items():
-        family = bank.family(stream)
-        if first[family] is None or step < first[family]:
-            first[family], first_stream[family] = step, stream
-    return {"first_alarm": first, "first_stream": first_stream, "num_streams": len(bank)}
+    for alarm in replay.alarms:
+        if first_stream[alarm.family] is None:
+            members = " ".join(m for m in alarm.members if m)
+            where = ("layers " if len(alarm.layers) > 1 else "layer ") + ",".join(map(str, alarm.layers))
+            first_stream[alarm.family] = f"{where}{' ' + members if members else ''} ({alarm.kind}, {alarm.level} test)"
+    streams = {(o.family, o.layer, o.member) for _, sc in data.checks[:3] for o in observations_from_scalars(sc)}
+    return {"first_alarm": {f: replay.first_alarm.get(f) for f in MECHMON_FAMILIES}, "first_stream": first_stream,
+            "num_streams": len(streams)}
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -383,8 +342,12 @@ def analyze_run(
     divergence: DivergenceRule = DivergenceRule(),
     collapse: CollapseRule = CollapseRule(),
     growth: GrowthSetting = GrowthSetting(),
+    interval: int = 20,
+    delta: int = 100,
 ) -> dict[str, Any]:
     """Everything ``results.json`` records for one run (except scenario/seed bookkeeping).
+
+    ``interval`` / ``delta``: the run's ``--mechmon-interval`` / ``--mechmon-delta``.
 
     ``router_fault_onset``: onset of a router-family fault when it differs from ``fault_onset``
     (``combined``: the high LR acts from step 1, the FA fault from its onset); it applies to the
@@ -394,7 +357,8 @@ def analyze_run(
     def onset_of(key: str) -> Optional[int]:
         return router_fault_onset if key in ROUTER_FAMILIES and router_fault_onset is not None else fault_onset
 
-    mech = replay_mechmon(data, setting)
+    mech = replay_mechmon(data, setting, interval, delta)
+    default_replay = mech if setting == DEFAULT_DETECTOR else replay_mechmon(data, DEFAULT_DETECTOR, interval, delta)
     symptoms = replay_symptoms(data, growth)
     first_alarm = {key: mech["first_alarm"].get(key, symptoms.get(key)) for key in ALARM_KEYS}
     div = divergence.first_step(data.steps, data.loss)
@@ -420,7 +384,7 @@ def analyze_run(
         "first_alarm_stream": mech["first_stream"],
         "online_first_alarm": online_first_alarm(data),
         # The runs use the session's default detector flags online: this replay must equal it.
-        "replay_first_alarm_default_setting": _earliest(replay_mechmon(data, DEFAULT_DETECTOR)["first_alarm"]),
+        "replay_first_alarm_default_setting": _earliest(default_replay["first_alarm"]),
         "symptom_rules": symptoms["all_rules"],
         "lead_to_divergence": leads,
         "lead_to_collapse": collapse_leads,
@@ -435,6 +399,8 @@ def choose_detector_setting(
     calibration: RunData,
     candidates: tuple[DetectorSetting, ...] = CALIBRATION_CANDIDATES,
     margin: int = CALIBRATION_MARGIN,
+    interval: int = 20,
+    delta: int = 100,
 ) -> tuple[DetectorSetting, list[dict[str, Any]]]:
     """The first (most sensitive) candidate with no mechmon alarm on the clean calibration run,
     moved ``margin`` candidates towards the less sensitive end.
@@ -446,7 +412,7 @@ def choose_detector_setting(
         raise ValueError(f"calibration margin must be >= 0, got {margin}.")
     log: list[dict[str, Any]] = []
     for index, cand in enumerate(candidates):
-        first = replay_mechmon(calibration, cand)["first_alarm"]
+        first = replay_mechmon(calibration, cand, interval, delta)["first_alarm"]
         alarms = {k: v for k, v in first.items() if v is not None}
         log.append({"setting": cand.to_dict(), "alarms": alarms})
         if not alarms:

@@ -182,10 +182,17 @@ def launch_campaign(runs: Sequence[CampaignRun], out_dir: str, jobs: int = 2, pr
                 proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
                 active[run.run_id] = (run, proc, log, time.monotonic())
                 pending.remove(run)
-            if not active and pending and all(r.parent is not None for r in pending):
-                missing = {r.parent for r in pending if not os.path.isdir(os.path.join(out_dir, "runs", r.parent))}
-                if missing:
-                    raise RuntimeError(f"fork parents {sorted(missing)} are not in this campaign's runs")
+            waiting = {r.run_id for r in pending} | set(active)
+            for run in [r for r in pending if r.parent is not None and r.parent not in waiting]:
+                if not _parent_ready(out_dir, run):
+                    # The parent is neither running nor queued and never reached the fork point
+                    # (it failed, or is not part of this launch): the fork cannot start.
+                    directory = run_dir(out_dir, run)
+                    os.makedirs(directory, exist_ok=True)
+                    _write_status(directory, {**read_status(directory), "state": "failed",
+                                              "tail": f"parent {run.parent} has no checkpoint at {run.fork_at}"})
+                    pending.remove(run)
+                    bar.update(1)
             time.sleep(poll_s)
             for run_id in list(active):
                 run, proc, log, start = active[run_id]

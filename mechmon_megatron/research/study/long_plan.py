@@ -5,7 +5,8 @@ Healthy runs see a whole LR schedule (10,000 steps of the ``full`` preset's mode
 - ``healthy-cosine-seed{1,2,3}``: warm-up 100 steps, cosine decay to LR/10 over 10,000 steps;
   seed 3 is interrupted half-way (``--exit-interval 5000``: save and exit) and resumed from its
   checkpoint with the detector state restored, as a job requeued by SLURM would be;
-- ``healthy-wsd-seed4``: warmup-stable-decay, the last 2,000 steps a linear decay to LR/10.
+- ``healthy-wsd-seed4``: warmup-stable-decay, the last 2,000 steps a linear decay to LR/10;
+- ``healthy-cosine-seed5``: one more cosine run, never a parent, added to the held-out set.
 
 Fault runs fork from the healthy run of the same seed: the trainer is bit-identical when repeated
 (docs/RESULTS.md, "Reproducibility"), so a fault run with onset ``T`` loads the healthy run's
@@ -127,6 +128,10 @@ def plan_campaign(preset: Optional[Preset] = None) -> list[CampaignRun]:
         run_id="healthy-wsd-seed4", kind="healthy", scenario="clean", seed=4, train_iters=HEALTHY_ITERS,
         flags=_flags(preset, "clean", 4, HEALTHY_ITERS, wsd), schedule="wsd",
     )
+    held_out = CampaignRun(
+        run_id="healthy-cosine-seed5", kind="healthy", scenario="clean", seed=5, train_iters=HEALTHY_ITERS,
+        flags=_flags(preset, "clean", 5, HEALTHY_ITERS),
+    )
     # Long runs start early (they set the wall time); seeds 1-2's faults fill in once their
     # parents have passed the fork points.
-    return [healthy[1], healthy[2], *faults[1], *faults[2], healthy[3], wsd_run, *faults[3]]
+    return [healthy[1], healthy[2], *faults[1], *faults[2], healthy[3], wsd_run, *faults[3], held_out]

@@ -326,7 +326,7 @@ def markdown_sensitivity(rows: list[dict[str, Any]]) -> str:
     mechmon alarm, the fa runs' Δ2 alarm (lead share), fa runs with an attributable router
     alarm, the MoE runs' routing-entropy alarms, and MoE runs with an attention alarm."""
     lines = [
-        "| setting (k MADs, rel floor, patience) | clean runs with a mechmon alarm | fa: Δ2 alarm (lead share) | "
+        "| false-alarm rate R (per 10^6 steps) | clean runs with a mechmon alarm | fa: Δ2 alarm (lead share) | "
         "fa: router alarm before div | moe-lr, moe-gbs (by seed): routing-entropy alarm | moe-*: attention alarm |",
         "|---|---|---|---|---|---|",
     ]
@@ -341,7 +341,7 @@ def markdown_sensitivity(rows: list[dict[str, Any]]) -> str:
         moe = by["moe-lr"] + by["moe-gbs"]
         entropy = ", ".join(_fmt_step(r["first_alarm"]["router_entropy"]) for r in moe)
         attention = sum(attributable_alarm(r, ATTN_FAMILIES) for r in moe)
-        lines.append(f"| {st['num_mads']:g}, {st['min_rel_change']:g}, {st['patience']} | {clean}/{len(by['clean'])} | "
+        lines.append(f"| {st['false_alarm_rate']:g} | {clean}/{len(by['clean'])} | "
                      f"{fa} | {fa_router}/{len(by['fa'])} | {entropy} | {attention}/{len(moe)} |")
     return "\n".join(lines)
 

@@ -131,7 +131,11 @@ def analyze_study(
     calibration_log = None
     calib = [e for e in plan["runs"] if e["calibration"]]
     if setting is None and calib:
-        setting, calibration_log = analysis.choose_detector_setting(data[calib[0]["run_id"]])
+        setting, calibration_log = analysis.choose_detector_setting(
+            data[calib[0]["run_id"]],
+            interval=plan.get("mechmon_interval") or 20,
+            delta=plan.get("mechmon_delta") or 100,
+        )
     if setting is None and plan.get("detector"):
         setting = analysis.DetectorSetting(**plan["detector"])
     setting = setting or analysis.DEFAULT_DETECTOR
@@ -142,6 +146,7 @@ def analyze_study(
             analysis.analyze_run(
                 data[entry["run_id"]], fault_onset=entry["fault_onset"],
                 router_fault_onset=entry.get("router_fault_onset"), setting=setting,
+                interval=plan.get("mechmon_interval") or 20, delta=plan.get("mechmon_delta") or 100,
             )
         )
         run.update(
@@ -215,7 +220,9 @@ def sensitivity(
         runs = []
         for e in entries:
             run = analysis.analyze_run(data[e["run_id"]], fault_onset=e["fault_onset"],
-                                       router_fault_onset=e.get("router_fault_onset"), setting=setting)
+                                       router_fault_onset=e.get("router_fault_onset"), setting=setting,
+                                       interval=plan.get("mechmon_interval") or 20,
+                                       delta=plan.get("mechmon_delta") or 100)
             runs.append({"scenario": e["scenario"], "seed": e["seed"], **run})
         rows.append({"setting": setting.to_dict(), "runs": runs})
     return rows

@@ -109,3 +109,11 @@ def test_plan_forks_at_onset_minus_delta_and_has_the_required_runs():
         sum(1 for r in runs if r.startswith("moe-router-lr")) >= 3
         and sum(1 for r in runs if r.startswith("moe-lr")) >= 3
     )
+
+
+def test_a_fork_whose_parent_fails_fails_instead_of_waiting(tmp_path):
+    parent = _run("parent", 30, extra=("--hidden-size", "63"))  # 63 is not divisible by 4 heads: fails at start
+    fork = _run("fork", 30, kind="fault", parent="parent", fork_at=10, fault_onset=20)
+    status = launch_campaign([parent, fork], str(tmp_path), jobs=2, progress=False, poll_s=0.5)
+    assert status["parent"]["state"] == "failed" and status["fork"]["state"] == "failed"
+    assert "no checkpoint at 10" in status["fork"]["tail"]

@@ -26,7 +26,8 @@ def _study(tmp_path):
         plan_runs.append({"scenario": scenario, "seed": seed, "train_iters": 800, "fault_onset": onset,
                           "calibration": False, "run_id": run_id, "returncode": 0, "wall_s": 1.0, "error_tail": ""})
     plan = {"preset": "demo", "scenarios": ["clean", "fa", "moe-lr"], "seeds": [1, 2], "calibration_seed": None,
-            "train_iters": 800, "jobs": 2, "train_wall_s": 3.0, "runs": plan_runs}
+            "train_iters": 800, "jobs": 2, "train_wall_s": 3.0, "runs": plan_runs,
+            "mechmon_interval": 10, "mechmon_delta": 10}
     with open(os.path.join(out, PLAN_FILE), "w") as f:
         json.dump(plan, f)
     return out
@@ -46,7 +47,7 @@ def test_results_json_has_the_interface_keys(tmp_path):
             "loss_2x_mean", "grad_norm_6sigma", "max_attn_logit", "wq_spectral_norm",
         }
     fa = next(r for r in results["runs"] if r["scenario"] == "fa")
-    assert fa["first_alarm"]["attn_delta2"] == 320 and fa["divergence_step"] is not None
+    assert fa["first_alarm"]["attn_delta2"] == 310 and fa["divergence_step"] is not None
     assert results["study"]["detector"] == A.DEFAULT_DETECTOR.to_dict()  # the plan names none
     assert results["orthogonality"]["attn fault (fa)"]["router monitors (entropy, similarity)"] == [0, 1]
     assert results["orthogonality"]["router fault (moe-lr, moe-gbs)"]["attention monitors (Δ2, dW)"] == [0, 1]
@@ -56,7 +57,7 @@ def test_results_json_has_the_interface_keys(tmp_path):
     moe = results["targets"]["moe"][0]
     assert moe["before_collapse"] is True and moe["before_divergence"] is None  # no divergence: n/a
     fa_target = results["targets"]["fa"][0]
-    assert fa_target["delta2_alarm"] == 320 and fa_target["delta2_lead_share_ge_50pct"] is True
+    assert fa_target["delta2_alarm"] == 310 and fa_target["delta2_lead_share_ge_50pct"] is True
 
 
 def test_markdown_report(tmp_path):
@@ -87,7 +88,7 @@ def test_plot_run_writes_a_png(tmp_path):
         str(tmp_path / "run"), metrics_rows(400, diverge_at=300), check_rows(400, attn_drop_at=200)
     )
     data = A.RunData.from_files(mpath, cpath)
-    run = {"scenario": "fa", "seed": 1, **A.analyze_run(data, fault_onset=150)}
+    run = {"scenario": "fa", "seed": 1, **A.analyze_run(data, fault_onset=150, interval=10, delta=10)}
     path = plots.plot_run(data, run, str(tmp_path / "plots" / "fa.png"))
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -105,7 +106,7 @@ def test_plan_detector_and_an_interrupted_run(tmp_path):
     out = _study(tmp_path)
     with open(os.path.join(out, PLAN_FILE)) as f:
         plan = json.load(f)
-    plan["detector"] = {"warmup": 10, "window": 50, "num_mads": 4.0, "min_rel_change": 0.03, "patience": 3}
+    plan["detector"] = {"false_alarm_rate": 1.0}
     plan["train_wall_s"] = None  # as written before training starts
     plan["runs"][2]["returncode"] = None
     plan["runs"][2]["train_iters"] = 1000  # the fa run stopped at 800 of 1000 steps
@@ -122,7 +123,7 @@ def test_sensitivity_replays_each_setting_on_the_reported_runs(tmp_path):
 
     out = _study(tmp_path)
     default = analyze_study(out, plots_enabled=False)
-    settings = (A.DEFAULT_DETECTOR, A.DetectorSetting(num_mads=10.0, min_rel_change=0.5, patience=6))
+    settings = (A.DEFAULT_DETECTOR, A.DetectorSetting(false_alarm_rate=1e-300))
     rows = sensitivity(out, settings)
     assert [r["setting"] for r in rows] == [s.to_dict() for s in settings]
     # The default row is the study's own analysis with the default setting, run by run.
@@ -131,5 +132,5 @@ def test_sensitivity_replays_each_setting_on_the_reported_runs(tmp_path):
     text = report.markdown_sensitivity(rows)
     lines = text.splitlines()
     assert len(lines) == 2 + len(settings)
-    assert lines[2].startswith("| 6, 0.05, 3 | 0/2 | 320 (")  # fa's Δ2 alarm at 320
-    assert lines[3].startswith("| 10, 0.5, 6 | 0/2 | - (-)")  # a 50 % band never fires here
+    assert lines[2].startswith("| 0.01 | 0/2 | 310 (")  # fa's Δ2 alarm at 310
+    assert lines[3].startswith("| 1e-300 | 0/2 | - (-)")  # thresholds out of reach of this run
