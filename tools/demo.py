@@ -16,10 +16,25 @@ import sys
 import time
 
 from mechmon_megatron.research.study.report import markdown_report
+from mechmon_megatron.research.study.runner import REPRODUCIBLE_KERNELS
 from mechmon_megatron.research.study.scenarios import get_preset
 from mechmon_megatron.research.study.study import StudyOptions, run_study
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout: demo_out/ goes there
+
+
+def reproducibility_line() -> str:
+    """What the numbers depend on: the corpus bytes, torch and its CPU kernels (docs/RESULTS.md)."""
+    import platform
+
+    import torch
+
+    from gpt_trainer.data import corpus_fingerprint, stdlib_corpus
+
+    corpus = corpus_fingerprint(stdlib_corpus(4 * 1024 * 1024).tokens)
+    capability = os.environ.get("ATEN_CPU_CAPABILITY", REPRODUCIBLE_KERNELS["ATEN_CPU_CAPABILITY"])
+    return (f"reproducibility: corpus sha256 {corpus} (stdlib of Python {platform.python_version()}), "
+            f"torch {torch.__version__}, CPU kernels {capability}")
 
 
 def main(argv=None) -> int:
@@ -41,6 +56,7 @@ def main(argv=None) -> int:
     )
     print()
     print(markdown_report(results))
+    print(reproducibility_line())
     out = os.path.abspath(args.out)
     print(f"wall time: {time.monotonic() - start:.0f} s")
     print(f"results:     {os.path.join(out, 'results.json')}")

@@ -85,6 +85,15 @@ def byte_tokens(paths: list[str], max_bytes: int) -> np.ndarray:
     return np.concatenate(parts)[:max_bytes]
 
 
+def corpus_fingerprint(tokens: np.ndarray) -> str:
+    """First 16 hex digits of the SHA-256 of a token array: the default corpus is this Python's
+    standard library, so runs on another Python release train on other data (and give other
+    numbers); the fingerprint says whether two machines trained on the same bytes."""
+    import hashlib
+
+    return hashlib.sha256(np.ascontiguousarray(tokens, dtype=np.int32).tobytes()).hexdigest()[:16]
+
+
 def stdlib_corpus(max_bytes: int) -> ArrayStream:
     """The default corpus (see the module docstring)."""
     return ArrayStream(byte_tokens(stdlib_sources(max_bytes), max_bytes))

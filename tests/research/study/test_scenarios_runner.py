@@ -149,3 +149,34 @@ def test_sigterm_stops_the_runs_it_launched(tmp_path):
     while _alive(child) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(child)
+
+
+def test_study_runs_pin_the_cpu_kernels(tmp_path, monkeypatch):
+    """The runner pins torch's CPU kernels (AVX2 rounds differently from AVX-512); a value set by
+    the user wins."""
+    import sys
+
+    from mechmon_megatron.research.study.runner import REPRODUCIBLE_KERNELS, launch_runs
+    from mechmon_megatron.research.study.scenarios import RunSpec
+
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "SSE4_2")
+    spec = RunSpec(scenario="clean", seed=1, train_iters=1, fault_onset=None)
+    script = (
+        "import os, json; open('env.json', 'w').write(json.dumps({k: os.environ.get(k) for k in "
+        "('ATEN_CPU_CAPABILITY', 'MKL_ENABLE_INSTRUCTIONS')}))"
+    )
+    launch_runs(
+        [spec],
+        str(tmp_path),
+        progress=False,
+        poll_s=0.1,
+        command_for=lambda s, d: [sys.executable, "-c", script.replace("env.json", f"{d}/env.json")],
+    )
+    import json
+
+    seen = json.load(open(tmp_path / "runs" / spec.run_id / "env.json"))
+    assert seen == {
+        "ATEN_CPU_CAPABILITY": REPRODUCIBLE_KERNELS["ATEN_CPU_CAPABILITY"],
+        "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+    }
