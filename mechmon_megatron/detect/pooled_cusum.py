@@ -149,10 +149,11 @@ def warmup_checks(interval: int) -> int:
 
 
 def default_sequential_config(interval: int = 20) -> SequentialConfig:
-    """The shipped design for a check interval (steps). Router weight similarity sits near 0, so
-    its scale floor is absolute (0.005 cosine units)."""
+    """The shipped design for a check interval (steps): baselines of the last 50 accepted checks
+    (more when the warm-up is longer). Router weight similarity sits near 0, so its scale floor
+    is absolute (0.005 cosine units)."""
     warmup = warmup_checks(interval)
-    trend = TrendConfig(warmup=warmup, min_trend=warmup)
+    trend = TrendConfig(window=max(50, warmup), warmup=warmup, min_trend=warmup)
     return SequentialConfig(
         trend=trend,
         family_trends={"router_weights": replace(trend, abs_scale_floor=0.005)},

@@ -13,8 +13,14 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional
 
-from mechmon_megatron.detect.null_model import JobShape, load_tail_table, thresholds_for_job
-from mechmon_megatron.detect.pooled_cusum import PooledAlarm, PooledCusumDetector, default_sequential_config
+from mechmon_megatron.detect.null_model import JobShape, TailTable, load_tail_table, thresholds_for_job
+from mechmon_megatron.detect.pooled_cusum import (
+    FAMILY_DIRECTIONS,
+    PooledAlarm,
+    PooledCusumDetector,
+    SequentialConfig,
+    default_sequential_config,
+)
 from mechmon_megatron.session.alert import Alert
 from mechmon_megatron.session.config import MechmonConfig
 from mechmon_megatron.session.host import AttentionSite, RouterSite
@@ -49,15 +55,30 @@ def job_shape(config: MechmonConfig, per_rank: Iterable[Mapping[str, Sequence[in
                     overlap=config.overlap)
 
 
-def build_detector(config: MechmonConfig, shape: JobShape) -> tuple[PooledCusumDetector, dict[str, Any]]:
+def load_detector_design(config: MechmonConfig) -> tuple[SequentialConfig, TailTable]:
+    """The detector's design for this schedule and its null tails, checked at start-up: a bad
+    calibration file stops the job naming the flag, before any training step."""
+    design = default_sequential_config(config.interval)
+    source = config.detector_calibration or "the shipped null_tails.json"
+    try:
+        table = load_tail_table(config.detector_calibration)
+        for family in FAMILY_DIRECTIONS:  # every family must have a tail at this overlap
+            table.tail(config.overlap, family, "layer")
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+        raise ValueError(f"--mechmon-detector-calibration: no usable null-tail table in {source}: {exc}") from None
+    return design, table
+
+
+def build_detector(
+    config: MechmonConfig, shape: JobShape, design: SequentialConfig, table: TailTable
+) -> tuple[PooledCusumDetector, dict[str, Any]]:
     """The detector and a JSON account of its thresholds (logged once by the writer)."""
-    table = load_tail_table(config.detector_calibration)
     thresholds, account = thresholds_for_job(shape, config.false_alarm_rate, table)
     account["calibration"] = config.detector_calibration or "shipped (mechmon_megatron/detect/null_tails.json)"
     account["layers"] = dict(shape.layers)
     for note in account["notes"]:
         logger.warning("[mechmon] detector: %s", note)
-    return PooledCusumDetector(thresholds, default_sequential_config(config.interval)), account
+    return PooledCusumDetector(thresholds, design), account
 
 
 def _head_index(member: str) -> Optional[int]:

@@ -29,7 +29,13 @@ from mechmon_megatron.session.alert import Alert, AlertReport
 from mechmon_megatron.session.attention_check import check_full, check_heads, snapshot_full, snapshot_heads
 from mechmon_megatron.session.config import MechmonConfig
 from mechmon_megatron.session.detector_inputs import observation
-from mechmon_megatron.session.detector_setup import alert_of, build_detector, job_shape, local_layers
+from mechmon_megatron.session.detector_setup import (
+    alert_of,
+    build_detector,
+    job_shape,
+    load_detector_design,
+    local_layers,
+)
 from mechmon_megatron.session.host import AttentionSite, Communicator, LocalCommunicator, RouterSite
 from mechmon_megatron.session.records import CheckOutput, merge_partials
 from mechmon_megatron.session.router_check import empty_vector, local_router_vector, router_output
@@ -81,6 +87,7 @@ class MonitoringSession:
         self.detector_account: Optional[dict] = None
         self._pending_detector_state: Optional[dict] = None
         self._local_layers = local_layers(config, self.attention_sites, self.router_sites)
+        self._detector_design, self._tail_table = load_detector_design(config)  # fails here, not mid-run
         self._active_warnings: set = set()
         self.capturing = False
         self.errors = 0
@@ -294,7 +301,9 @@ class MonitoringSession:
     def _ensure_detector(self, gathered: list[dict]) -> PooledCusumDetector:
         if self.detector is None:
             shape = job_shape(self.config, [payload["layers"] for payload in gathered])
-            self.detector, self.detector_account = build_detector(self.config, shape)
+            self.detector, self.detector_account = build_detector(
+                self.config, shape, self._detector_design, self._tail_table
+            )
             if self._pending_detector_state is not None:
                 self.detector.load_state_dict(self._pending_detector_state)
                 self._pending_detector_state = None

@@ -115,7 +115,7 @@ def test_hooks_write_megatron_scalars_and_abort_through_exit_interval(model_para
     assert any("mechmon/router/token_entropy/layer_1" in s for _, s in wandb.logged)
     state_dir = mlm.checkpoint_iter_dir(args.save, 6)
     state = json.load(open(os.path.join(state_dir, mlm.STATE_FILENAME)))
-    assert state["version"] == 1 and state["checkpoints"] == [{"iteration": 6, "path": state_dir}]
+    assert state["version"] == 2 and state["checkpoints"] == [{"iteration": 6, "path": state_dir}]
 
     alert_path = hooks.finish_abort()
     assert alert_path == os.path.join(state_dir, ALERT_FILENAME)
@@ -125,14 +125,14 @@ def test_hooks_write_megatron_scalars_and_abort_through_exit_interval(model_para
 
 def test_resume_restores_detectors_from_load(model_parallel, tmp_path):
     chunks, optimizer = build()
-    flags = ("--mechmon", "--mechmon-interval", "1", "--mechmon-delta", "1", "--mechmon-detector-warmup", "3")
+    flags = ("--mechmon", "--mechmon-interval", "1", "--mechmon-delta", "1")
     args = megatron_args(tmp_path, *flags)
     hooks = mlm.MegatronLMHooks(lambda: args)
     generator = torch.Generator().manual_seed(1)
     run_like_megatron(hooks, chunks, optimizer, args, 0, 5, generator)
     hooks.after_save(5)
     saved = hooks.session.state_dict()
-    assert saved["detectors"]["streams"], "detectors should have seen the checks"
+    assert saved["detector"]["trends"], "the detector should have seen the checks"
 
     resumed_args = megatron_args(tmp_path, *flags)
     resumed_args.load = args.save
@@ -140,7 +140,7 @@ def test_resume_restores_detectors_from_load(model_parallel, tmp_path):
     resumed.before_step(
         build()[0], 6
     )  # fresh chunks (one capture hook per router); Megatron's first train_step after --load at iteration 5
-    assert resumed.session.state_dict()["detectors"] == json.loads(json.dumps(saved["detectors"]))
+    assert resumed.session.state_dict()["detector"] == json.loads(json.dumps(saved["detector"]))
 
 
 def test_router_capture_only_during_the_train_step(model_parallel, tmp_path):

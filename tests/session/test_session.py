@@ -306,3 +306,45 @@ def test_floor_above_the_expert_count_fails_at_startup_naming_the_flag(tmp_path)
     site = RouterSite(1, EXPERTS, 2, weight=lambda: torch.eye(EXPERTS, HIDDEN), reduce_sum=lambda v: v, reports=True)
     with pytest.raises(ValueError, match="--mechmon-router-min-effective-experts is 6, more than the 4 experts"):
         make_session(tmp_path, [], routers=[site], router_min_effective_experts=6)
+
+
+@pytest.mark.parametrize("interval", [1, 2, 100])
+def test_every_interval_gets_a_valid_detector_design(tmp_path, interval):
+    layers = [ToyAttention(1, 0)]
+    session = make_session(tmp_path, layers, interval=interval, delta=interval)
+    run(session, layers, interval * 3)
+    assert session.detector is not None and session.errors == 0
+
+
+def test_bad_calibration_file_fails_at_startup_naming_the_flag(tmp_path):
+    bad = tmp_path / "tails.json"
+    bad.write_text('{"tails": {"1": {"attn_dw": {"layer": {"u0": 0}}}}}')
+    with pytest.raises(ValueError, match="--mechmon-detector-calibration"):
+        make_session(tmp_path, [ToyAttention(1, 0)], detector_calibration=str(bad))
+
+
+def test_own_calibration_file_is_used(tmp_path):
+    import shutil
+
+    from mechmon_megatron.detect.null_model import _TAIL_FILE
+
+    mine = tmp_path / "mine.json"
+    shutil.copy(_TAIL_FILE, mine)
+    layers = [ToyAttention(1, 0)]
+    session = make_session(tmp_path, layers, detector_calibration=str(mine))
+    run(session, layers, 10)
+    assert session.detector_account["calibration"] == str(mine)
+
+
+def test_calibration_without_a_family_fails_at_startup(tmp_path):
+    import json as _json
+
+    from mechmon_megatron.detect.null_model import load_tail_table
+
+    table = load_tail_table().to_dict()
+    for overlap in table["tails"].values():
+        overlap.pop("router_weights")
+    path = tmp_path / "partial.json"
+    path.write_text(_json.dumps(table))
+    with pytest.raises(ValueError, match="--mechmon-detector-calibration.*router_weights"):
+        make_session(tmp_path, [ToyAttention(1, 0)], detector_calibration=str(path))

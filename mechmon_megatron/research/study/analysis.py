@@ -7,8 +7,9 @@ Inputs are the two files a run writes:
 - the session's ``mechmon_scalars.jsonl`` (one line per check: ``{"step", "scalars"}``).
 
 Mechmon alarms are REPLAYED here with the same detector code the session runs online
-(:class:`~mechmon_megatron.detect.DetectorBank` built by
-:func:`~mechmon_megatron.session.session.detector_configs`), on the same streams:
+(:class:`~mechmon_megatron.detect.pooled_cusum.PooledCusumDetector` with the thresholds of
+:func:`~mechmon_megatron.detect.null_model.thresholds_for_job` and the inputs of
+:mod:`mechmon_megatron.session.detector_inputs`), on the same streams:
 
 =================  ===================================================================
 ``attn_delta2``    ``mechmon/attn/delta2_entropy/layer_L/head_H`` (needs
@@ -19,8 +20,8 @@ Mechmon alarms are REPLAYED here with the same detector code the session runs on
 ``router_weights`` ``mechmon/router/weight_similarity/layer_L``
 =================  ===================================================================
 
-so a replay with the run's own ``--mechmon-detector-*`` settings reproduces its online alarms,
-and other settings can be compared without retraining.
+so a replay with the run's own ``--mechmon-false-alarm-rate`` (and the same null tails)
+reproduces its online alarms, and other rates can be compared without retraining.
 
 Symptom baselines (docs/METHOD.md section 9) replayed with
 :func:`~mechmon_megatron.research.baselines.symptom_rules.build_symptom_rules` (published defaults):
