@@ -2,6 +2,8 @@
 
     python tools/detector_study.py run --out runs/detector_study --jobs 2   # hours on 2 cores; resumable
     python tools/detector_study.py analyze --out runs/detector_study         # tables, plots, JSON
+    python tools/detector_study.py export --out runs/detector_study --to docs/data/detector_study
+    python tools/detector_study.py analyze --out /tmp/ds --records docs/data/detector_study  # no training
 
 ``run`` trains (or resumes) every run of ``mechmon_megatron.research.study.long_plan``; launch it again
 after an interruption and it continues from the checkpoints. See docs/RESULTS.md.
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from mechmon_megatron.research.study.campaign import launch_campaign
@@ -27,8 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--only", default=None, help="Comma-separated run ids (default: all).")
     run.add_argument("--no-progress", action="store_true")
     analyze = sub.add_parser("analyze", help="Calibrate the detector and compare rules at equal false-alarm rate.")
-    analyze.add_argument("--out", required=True, help="Campaign directory.")
+    analyze.add_argument("--out", required=True, help="Campaign directory (outputs go to OUT/analysis).")
+    analyze.add_argument("--records", default=None,
+                         help="Analyse exported records instead of the runs (e.g. docs/data/detector_study).")
     analyze.add_argument("--no-plots", action="store_true")
+    export = sub.add_parser("export", help="Write the runs' records (no checkpoints), one .json.gz per run.")
+    export.add_argument("--out", required=True, help="Campaign directory.")
+    export.add_argument("--to", required=True, help="Destination folder (e.g. docs/data/detector_study).")
     return p
 
 
@@ -46,9 +54,16 @@ def main(argv=None) -> int:
         status = launch_campaign(runs, args.out, jobs=args.jobs, progress=not args.no_progress)
         print(json.dumps({k: v.get("state") for k, v in status.items()}, indent=1))
         return 0 if all(v.get("state") in ("done", "stopped-after-divergence") for v in status.values()) else 1
+    if args.command == "export":
+        from mechmon_megatron.research.study.campaign_records import export_records
+
+        paths = export_records(args.out, args.to)
+        print(json.dumps({"files": len(paths), "bytes": sum(os.path.getsize(p) for p in paths)}))
+        return 0
     from mechmon_megatron.research.study.detector_report import analyze_campaign
 
-    analyze_campaign(args.out, plots=not args.no_plots)
+    analysis_dir = os.path.join(args.out, "analysis")
+    analyze_campaign(args.out, plots=not args.no_plots, records_dir=args.records, analysis_dir=analysis_dir)
     return 0
 
 

@@ -202,11 +202,19 @@ def _earliest(*steps: Optional[int]) -> Optional[int]:
 
 
 # ------------------------------------------------------------------------------ analysis
-def analyze_campaign(out_dir: str, plots: bool = True) -> dict[str, Any]:
-    records = load_campaign(out_dir)
+def analyze_campaign(out_dir: str, plots: bool = True, records_dir: Optional[str] = None,
+                     analysis_dir: Optional[str] = None) -> dict[str, Any]:
+    """Analyse a campaign directory, or the exported records in ``records_dir`` (then the
+    outputs go to ``analysis_dir``, default ``OUT/analysis``)."""
+    if records_dir is not None:
+        from mechmon_megatron.research.study.campaign_records import load_records
+
+        records = load_records(records_dir)
+    else:
+        records = load_campaign(out_dir)
     if not any(r.healthy for r in records.values()):
-        raise SystemExit(f"no healthy runs under {out_dir}/runs: run `tools/detector_study.py run` first")
-    analysis_dir = os.path.join(out_dir, "analysis")
+        raise SystemExit(f"no healthy runs under {records_dir or out_dir}: run `tools/detector_study.py run` first")
+    analysis_dir = analysis_dir or os.path.join(out_dir, "analysis")
     os.makedirs(analysis_dir, exist_ok=True)
     table, fit_log = calibrate(records)
     with open(os.path.join(analysis_dir, "null_tails.json"), "w", encoding="utf-8") as f:
