@@ -163,7 +163,10 @@ def symptom_sweeps(records: Mapping[str, CampaignRecord]) -> dict[str, RuleSweep
                     continue
                 if record.healthy:
                     episodes += len(rule_scores.episodes(series, threshold))
-                firsts[run_id] = rule_scores.first_alarm(series, threshold, from_step=_onset(record))
+                # An alarm episode that started before the onset and still runs is no detection:
+                # the first episode that STARTS at or after the onset is.
+                starts = [s for s in rule_scores.episodes(series, threshold) if s >= _onset(record)]
+                firsts[run_id] = starts[0] if starts else None
             sweep.healthy_episodes.append(episodes)
             sweep.first_alarm.append(firsts)
         sweeps[rule] = sweep
