@@ -217,6 +217,15 @@ class _Cusum:
         self.value = max(0.0, self.value + u - reference)
 
 
+def _stream_alarm(step: int, obs: Observation, kind: str, statistic: float, threshold: float,
+                  reason: str) -> PooledAlarm:
+    """A layer-level alarm raised by one stream alone (a non-finite value, the absolute limit)."""
+    return PooledAlarm(
+        step=step, family=obs.family, level="layer", kind=kind, layers=(obs.layer,), members=(obs.member,),
+        statistic=statistic, threshold=threshold, change_step=None, reason=reason,
+    )
+
+
 class PooledCusumDetector:
     """See the module docstring. ``thresholds``: family -> :class:`FamilyThresholds`."""
 
@@ -273,20 +282,8 @@ class PooledCusumDetector:
                 key = (family, layer, obs.member)
                 trend = self._trend(key)
                 if not math.isfinite(obs.value):
-                    result.alarms.append(
-                        PooledAlarm(
-                            step=step,
-                            family=family,
-                            level="layer",
-                            kind="nonfinite",
-                            layers=(layer,),
-                            members=(obs.member,),
-                            statistic=math.nan,
-                            threshold=math.nan,
-                            change_step=None,
-                            reason=f"non-finite {family} value in layer {layer} {obs.member}".strip(),
-                        )
-                    )
+                    reason = f"non-finite {family} value in layer {layer} {obs.member}".strip()
+                    result.alarms.append(_stream_alarm(step, obs, "nonfinite", math.nan, math.nan, reason))
                     restart_layers.add(layer)
                     continue
                 prediction = trend.predict()
@@ -295,20 +292,8 @@ class PooledCusumDetector:
                         run = self._limit_runs.get(key, 0) + 1
                         self._limit_runs[key] = run
                         if run == cfg.limit_patience:
-                            result.alarms.append(
-                                PooledAlarm(
-                                    step=step,
-                                    family=family,
-                                    level="layer",
-                                    kind="limit",
-                                    layers=(layer,),
-                                    members=(obs.member,),
-                                    statistic=obs.value,
-                                    threshold=obs.limit,
-                                    change_step=None,
-                                    reason=obs.limit_reason,
-                                )
-                            )
+                            result.alarms.append(_stream_alarm(step, obs, "limit", obs.value, obs.limit,
+                                                               obs.limit_reason))
                         continue
                     self._limit_runs[key] = 0
                     to_accept.append((key, obs.value))
