@@ -17,9 +17,9 @@ import random
 import sys
 import time
 
-from mechmon_megatron.detect import DetectorBank, default_detector_configs
 from mechmon_megatron.detect.null_model import JobShape, load_tail_table, thresholds_for_job
 from mechmon_megatron.detect.pooled_cusum import Observation, PooledCusumDetector, default_sequential_config
+from mechmon_megatron.research.study.per_stream_rule import feed_per_stream, per_stream_bank
 
 
 def synthetic_check(step: int, layers: int, heads: int, moe_layers: int, rng: random.Random) -> list[Observation]:
@@ -55,12 +55,11 @@ def main(argv=None) -> int:
                      interval=args.interval, overlap=1)
     thresholds, _ = thresholds_for_job(shape, 0.01, load_tail_table())
     pooled = PooledCusumDetector(thresholds, default_sequential_config(args.interval))
-    bank = DetectorBank(default_detector_configs())
+    bank = per_stream_bank()
     timings = {}
     for name, feed in (
         ("pooled_cusum", lambda step, obs: pooled.update(step, obs)),
-        ("per_stream_0_1", lambda step, obs: [bank.update(f"{o.family}/layer_{o.layer}/{o.member}", step, o.value,
-                                                          family=o.family, limit=o.limit) for o in obs]),
+        ("per_stream_0_1", lambda step, obs: feed_per_stream(bank, step, obs)),
     ):
         for i, obs in enumerate(checks[: args.warmup]):
             feed(args.interval * (i + 1), obs)

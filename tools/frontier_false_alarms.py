@@ -33,12 +33,12 @@ import json
 import math
 import sys
 
-from mechmon_megatron.detect import DetectorBank, default_detector_configs
 from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE, JobShape, thresholds_for_job
 from mechmon_megatron.detect.pooled_cusum import default_sequential_config
 from mechmon_megatron.research.study.campaign_data import load_checks
+from mechmon_megatron.research.study.per_stream_rule import feed_per_stream, per_stream_bank
 from mechmon_megatron.research.study.pooled_replay import fit_tail_table, null_statistics, subsample
-from mechmon_megatron.session.detector_inputs import stream_family
+from mechmon_megatron.session.detector_inputs import observations_from_scalars
 
 
 def expected_false_alarms(shape: JobShape, thresholds, table, checks: int, point_estimate: bool = False) -> float:
@@ -87,20 +87,11 @@ def old_rule_rate(series) -> dict:
     """Alarms of the 0.1 per-stream rule (session defaults) per stream-check on healthy runs."""
     fired = stream_checks = 0
     for checks in series:
-        bank = DetectorBank(default_detector_configs())  # the 0.1 session defaults
+        bank = per_stream_bank()
         for step, scalars in checks:
-            for name in sorted(scalars):
-                family = stream_family(name)
-                if family is None:
-                    continue
-                stream_checks += 1
-                limit = (
-                    scalars.get(name.replace("/token_entropy/", "/token_entropy_floor/"))
-                    if "/token_entropy/" in name
-                    else None
-                )
-                if bank.update(name, step, scalars[name], family=family, limit=limit).fired:
-                    fired += 1
+            events = feed_per_stream(bank, step, observations_from_scalars(scalars))
+            stream_checks += len(events)
+            fired += sum(1 for e in events if e.fired)
     return {
         "alarms": fired,
         "stream_checks": stream_checks,

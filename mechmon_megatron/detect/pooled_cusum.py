@@ -148,7 +148,7 @@ def warmup_checks(interval: int) -> int:
     return max(MIN_WARMUP_CHECKS, math.ceil(WARMUP_STEPS / interval))
 
 
-def default_sequential_config(interval: int = 20) -> SequentialConfig:
+def default_sequential_config(interval: int) -> SequentialConfig:
     """The shipped design for a check interval (steps): baselines of the last 50 accepted checks
     (more when the warm-up is longer). Router weight similarity sits near 0, so its scale floor
     is absolute (0.005 cosine units)."""
@@ -211,7 +211,7 @@ class _Cusum:
     value: float = 0.0
     last_zero_step: Optional[int] = None
 
-    def update(self, u: float, reference: float, step: int, previous_step: Optional[int]) -> None:
+    def update(self, u: float, reference: float, previous_step: Optional[int]) -> None:
         if self.value <= 0.0:
             self.last_zero_step = previous_step
         self.value = max(0.0, self.value + u - reference)
@@ -229,8 +229,8 @@ def _stream_alarm(step: int, obs: Observation, kind: str, statistic: float, thre
 class PooledCusumDetector:
     """See the module docstring. ``thresholds``: family -> :class:`FamilyThresholds`."""
 
-    def __init__(self, thresholds: Mapping[str, FamilyThresholds], config: Optional[SequentialConfig] = None) -> None:
-        self.config = config or default_sequential_config()
+    def __init__(self, thresholds: Mapping[str, FamilyThresholds], config: SequentialConfig) -> None:
+        self.config = config
         self.thresholds = dict(thresholds)
         self._trends: dict[tuple[str, int, str], RobustTrend] = {}
         self._limit_runs: dict[tuple[str, int, str], int] = {}
@@ -308,7 +308,7 @@ class PooledCusumDetector:
         # Layer CUSUMs.
         for layer, u in layer_u.items():
             cusum = self._layer_cusums.setdefault((family, layer), _Cusum())
-            cusum.update(u, cfg.reference, step, self._last_step)
+            cusum.update(u, cfg.reference, self._last_step)
             result.statistics[f"{family}/residual/layer_{layer}"] = u
             result.statistics[f"{family}/cusum/layer_{layer}"] = cusum.value
             if cusum.value > levels.layer.alarm:
@@ -333,7 +333,7 @@ class PooledCusumDetector:
         family_cusum = None
         if len(layer_u) > 1:
             family_cusum = self._family_cusums.setdefault(family, _Cusum())
-            family_cusum.update(trimmed_mean(layer_u.values(), cfg.trim), cfg.reference, step, self._last_step)
+            family_cusum.update(trimmed_mean(layer_u.values(), cfg.trim), cfg.reference, self._last_step)
             result.statistics[f"{family}/cusum"] = family_cusum.value
             if family_cusum.value > levels.family.alarm:
                 carriers = sorted(layer_u, key=lambda L: (-layer_u[L], L))

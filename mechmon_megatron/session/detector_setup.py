@@ -85,7 +85,7 @@ def _head_index(member: str) -> Optional[int]:
     return int(member[5:]) if member.startswith("head_") and member[5:].isdigit() else None
 
 
-def alert_of(alarm: PooledAlarm, config: MechmonConfig) -> Alert:
+def alert_of(alarm: PooledAlarm, config: MechmonConfig, design: SequentialConfig) -> Alert:
     """The alert record of a fired alarm.
 
     ``first_warning_step`` is the earliest step the shift can have begun: for a CUSUM alarm the
@@ -104,7 +104,7 @@ def alert_of(alarm: PooledAlarm, config: MechmonConfig) -> Alert:
         )
     elif alarm.kind == "limit":
         stream = f"{alarm.family}/layer_{layer}"
-        first = max(0, alarm.step - 2 * config.interval)
+        first = max(0, alarm.step - (design.limit_patience - 1) * config.interval)
         reason = alarm.reason
     else:
         stream = f"{alarm.family}/layer_{layer}"

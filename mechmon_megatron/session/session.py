@@ -348,7 +348,7 @@ class MonitoringSession:
             if (obs := observation(stream.name, stream.value, stream.limit, stream.limit_reason)) is not None
         ]
         result = self._ensure_detector(gathered).update(iteration, observations)
-        alerts.extend(alert_of(alarm, self.config) for alarm in result.alarms)
+        alerts.extend(alert_of(alarm, self.config, self._detector_design) for alarm in result.alarms)
         self._log_new_warnings(iteration, result.warnings)
         scalars.update({f"{names.DETECT_PREFIX}/{key}": value for key, value in result.statistics.items()})
         scalars[names.ALARM] = 1.0 if alerts else 0.0

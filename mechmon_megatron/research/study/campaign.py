@@ -13,8 +13,9 @@ plus ``ckpt/`` and ``status.json``). Launching the campaign again picks up where
 - ``stop_after_divergence``: the run is stopped that many steps after its loss divergence
   (:class:`~mechmon_megatron.research.study.analysis.DivergenceRule`, on the parent's steps too).
 
-Processes are independent single-process worlds with one torch thread each; ``jobs`` runs at
-once. Stopping the launcher (Ctrl-C, SIGTERM) stops its children; their last checkpoints stay.
+Processes are independent single-process worlds with one torch thread each and the study's
+pinned CPU kernels (:func:`~mechmon_megatron.research.study.runner.run_environment`); ``jobs``
+runs at once. Stopping the launcher (Ctrl-C, SIGTERM) stops its children; their last checkpoints stay.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -30,7 +32,13 @@ from typing import Optional, Sequence
 
 from mechmon_megatron.research.study.analysis import DivergenceRule, read_jsonl
 from mechmon_megatron.research.study.long_plan import CampaignRun
-from mechmon_megatron.research.study.runner import _exit_on_sigterm, _progress_bar, _tail, trainer_command
+from mechmon_megatron.research.study.runner import (
+    exit_on_sigterm,
+    progress_bar,
+    run_environment,
+    tail_of,
+    trainer_command,
+)
 from mechmon_megatron.research.study.scenarios import MECHMON_DIR, METRICS_FILE, TENSORBOARD_DIR
 
 CKPT_DIR = "ckpt"
@@ -153,14 +161,12 @@ def launch_campaign(runs: Sequence[CampaignRun], out_dir: str, jobs: int = 2, pr
     if jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}.")
     os.makedirs(os.path.join(out_dir, "runs"), exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
+    env = run_environment()
     pending = [r for r in runs if not is_finished(run_dir(out_dir, r))]
     active: dict[str, tuple[CampaignRun, subprocess.Popen, object, float]] = {}
-    bar = _progress_bar(len(runs), disable=not progress, desc="campaign runs")
+    bar = progress_bar(len(runs), disable=not progress, desc="campaign runs")
     bar.update(len(runs) - len(pending))
-    previous_handler = _exit_on_sigterm()
+    previous_handler = exit_on_sigterm()
     try:
         while pending or active:
             for run in list(pending):
@@ -219,7 +225,7 @@ def launch_campaign(runs: Sequence[CampaignRun], out_dir: str, jobs: int = 2, pr
                     status["state"] = "interrupted"
                     pending.insert(0, run)  # resume it next
                 else:
-                    status.update(state="failed", tail=_tail(os.path.join(directory, "stdout.log")))
+                    status.update(state="failed", tail=tail_of(os.path.join(directory, "stdout.log")))
                 _write_status(directory, status)
                 if status["state"] != "interrupted":
                     bar.update(1)
@@ -230,7 +236,5 @@ def launch_campaign(runs: Sequence[CampaignRun], out_dir: str, jobs: int = 2, pr
             log.close()
         bar.close()
         if previous_handler is not None:
-            import signal
-
             signal.signal(signal.SIGTERM, previous_handler)
     return {r.run_id: read_status(run_dir(out_dir, r)) for r in runs}

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import statistics
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from mechmon_megatron.detect.pooled_cusum import default_sequential_config
 from mechmon_megatron.research.study import rule_scores
 from mechmon_megatron.research.study.analysis import CollapseRule, DivergenceRule
 from mechmon_megatron.research.study.campaign_data import CampaignRecord, load_campaign
+from mechmon_megatron.research.study.long_plan import long_preset
 from mechmon_megatron.research.study.pooled_replay import (
     FAMILIES,
     calibrate_on_runs,
@@ -41,13 +41,13 @@ from mechmon_megatron.research.study.pooled_replay import (
 )
 
 CALIBRATION_RUNS: tuple[str, ...] = ("healthy-cosine-seed1", "healthy-cosine-seed2")
-INTERVAL = 20
-DELTA = 100
+INTERVAL = long_preset().mechmon_interval
+"""The campaign's check interval (steps), from its plan."""
+DELTA = long_preset().mechmon_delta
 RATE_GRID: tuple[float, ...] = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0, 1e3, 1e4, 1e5)
 FAR_LEVELS: tuple[Optional[float], ...] = (None, 100.0, 1000.0)
 """Comparison levels: None = no alarm on any healthy run; then <= 100 and <= 1000 per 10^6 steps."""
 ATTN = ("attn_delta2", "attn_dw")
-ROUTER = ("router_entropy", "router_weights")
 
 
 @dataclass
@@ -343,8 +343,3 @@ def targets(results: Mapping[str, Any]) -> dict[str, Any]:
         },
         "detector_us_per_check": results["detector_us_per_check"],
     }
-
-
-def median_or_none(values: Sequence[Optional[float]]) -> Optional[float]:
-    vals = [v for v in values if v is not None]
-    return statistics.median(vals) if vals else None

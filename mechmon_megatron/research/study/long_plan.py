@@ -24,7 +24,7 @@ Pure Python: no torch import.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from mechmon_megatron.research.study.scenarios import PRESETS, Preset, get_scenario, trainer_flags
@@ -83,8 +83,6 @@ def _flags(preset: Preset, scenario: str, seed: int, train_iters: int, extra: tu
 
 def long_preset() -> Preset:
     """The ``full`` preset's model and monitor schedule, on the 10,000-step LR schedule."""
-    from dataclasses import replace
-
     return replace(PRESETS["full"], name="long", train_iters=HEALTHY_ITERS, lr_decay_iters=HEALTHY_ITERS)
 
 

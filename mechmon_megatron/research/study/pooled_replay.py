@@ -49,7 +49,7 @@ class PooledReplay:
 def replay_pooled(
     checks: Checks,
     thresholds: Mapping[str, FamilyThresholds],
-    config: Optional[SequentialConfig] = None,
+    config: SequentialConfig,
     start_step: int = 0,
 ) -> PooledReplay:
     """Feed every check to a fresh detector; alarms before ``start_step`` are kept but flagged by
@@ -73,7 +73,7 @@ def never_thresholds() -> dict[str, FamilyThresholds]:
 
 
 def null_statistics(
-    runs: Iterable[Checks], config: Optional[SequentialConfig] = None
+    runs: Iterable[Checks], config: SequentialConfig
 ) -> dict[str, dict[str, list[float]]]:
     """CUSUM values of every test at every check of healthy runs, by family and level.
 
@@ -152,9 +152,10 @@ def calibrate_on_runs(
 
 
 def proxy_shape(checks: Checks, interval: int, overlap: int) -> JobShape:
-    """The job shape of a recorded run: layers per family seen in its scalars."""
+    """The job shape of a recorded run: layers per family seen in any of its checks (a check
+    right after a resume has no attention values)."""
     layers: dict[str, set[int]] = {f: set() for f in FAMILIES}
-    for _, scalars in checks[:5]:
+    for _, scalars in checks:
         for obs in observations_from_scalars(scalars):
             layers[obs.family].add(obs.layer)
     return JobShape(layers={f: len(v) for f, v in layers.items() if v}, interval=interval, overlap=overlap)
@@ -164,20 +165,3 @@ def thresholds_at_rate(
     checks: Checks, interval: int, overlap: int, rate: float, table: TailTable
 ) -> tuple[dict[str, FamilyThresholds], dict[str, Any]]:
     return thresholds_for_job(proxy_shape(checks, interval, overlap), rate, table)
-
-
-def scaled_thresholds(base: Mapping[str, FamilyThresholds], factor: float) -> dict[str, FamilyThresholds]:
-    """Every alarm level times ``factor`` (warnings kept below alarms): for threshold sweeps."""
-    out = {}
-    for family, t in base.items():
-
-        def scale(x: Thresholds) -> Thresholds:
-            alarm = x.alarm * factor
-            return Thresholds(warning=min(x.warning, alarm), alarm=alarm)
-
-        out[family] = FamilyThresholds(layer=scale(t.layer), family=scale(t.family))
-    return out
-
-
-def finite_or_none(x: float) -> Optional[float]:
-    return x if math.isfinite(x) else None

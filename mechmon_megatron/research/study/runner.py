@@ -40,6 +40,17 @@ numbers on any of them (same torch, same corpus: see ``gpt_trainer.data.corpus_f
 An explicit value in the environment wins (``env_overrides``, or set it before launching)."""
 
 
+def run_environment(overrides: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """The environment of one study run: one thread, unbuffered output, pinned CPU kernels (unless
+    the caller's environment sets them), and no inherited torch.distributed rank variables (each
+    run is its own single-process world)."""
+    env = {**REPRODUCIBLE_KERNELS, **os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+           "PYTHONUNBUFFERED": "1", **(overrides or {})}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
 def trainer_command(trainer: Optional[str] = None, python: str = sys.executable) -> list[str]:
     """The command that starts a trainer: ``python -m gpt_trainer``, or ``python TRAINER`` for a
     training script of your own that takes the same flags."""
@@ -81,7 +92,7 @@ def _count_lines(path: str) -> int:
         return 0
 
 
-def _tail(path: str, lines: int = 15) -> str:
+def tail_of(path: str, lines: int = 15) -> str:
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
             return "".join(f.readlines()[-lines:])
@@ -89,7 +100,7 @@ def _tail(path: str, lines: int = 15) -> str:
         return ""
 
 
-def _progress_bar(total: int, disable: bool, desc: str):
+def progress_bar(total: int, disable: bool, desc: str):
     try:
         from tqdm import tqdm
     except ImportError as exc:  # tqdm is in the `test` extra
@@ -119,16 +130,13 @@ def launch_runs(
     """
     if jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}.")
-    env = {**REPRODUCIBLE_KERNELS, **os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-           "PYTHONUNBUFFERED": "1", **(env_overrides or {})}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)  # each run is its own single-process world
+    env = run_environment(env_overrides)
     pending = list(enumerate(specs))
     active: dict[int, tuple[subprocess.Popen, float, str, object]] = {}
     results: dict[int, RunResult] = {}
-    bar = _progress_bar(sum(s.train_iters for s in specs), disable=not progress, desc=desc)
+    bar = progress_bar(sum(s.train_iters for s in specs), disable=not progress, desc=desc)
     done_steps: dict[int, int] = {}
-    previous_handler = _exit_on_sigterm()
+    previous_handler = exit_on_sigterm()
     try:
         while pending or active:
             while pending and len(active) < jobs:
@@ -151,7 +159,7 @@ def launch_runs(
                     steps = specs[index].train_iters  # finished (or stopped early): count it all
                     results[index] = RunResult(
                         specs[index], directory, proc.returncode, time.monotonic() - start,
-                        _tail(os.path.join(directory, "stdout.log")) if proc.returncode else "",
+                        tail_of(os.path.join(directory, "stdout.log")) if proc.returncode else "",
                     )
                     del active[index]
                 bar.update(steps - done_steps[index])
@@ -167,7 +175,7 @@ def launch_runs(
     return [results[i] for i in range(len(specs))]
 
 
-def _exit_on_sigterm():
+def exit_on_sigterm():
     """Turn SIGTERM into ``SystemExit`` while runs are launched, so the ``finally`` above stops
     the children instead of leaving them orphaned. Returns the previous handler (None when not
     on the main thread, where handlers cannot be set)."""
