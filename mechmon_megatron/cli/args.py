@@ -59,6 +59,24 @@ def add_mechmon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         action="store_true",
         help="Skip the full-matrix dW_q/dW_k spectra (saves a TP gather).",
     )
+    g.add_argument(
+        "--mechmon-full-matrix-method",
+        type=str,
+        default=_DEFAULTS.full_matrix_method,
+        help="Full-matrix dW spectrum: randomized (top-k with a certified bound) or exact (full SVD).",
+    )
+    g.add_argument(
+        "--mechmon-full-matrix-rank",
+        type=int,
+        default=_DEFAULTS.full_matrix_rank,
+        help="Singular values kept by the randomized full-matrix spectrum.",
+    )
+    g.add_argument(
+        "--mechmon-wq-norm-power-iters",
+        type=int,
+        default=_DEFAULTS.wq_norm_power_iters,
+        help="Power iterations for the W_q spectral norm (0: exact SVD).",
+    )
     g.add_argument("--mechmon-action", type=str, default=_DEFAULTS.action, help=f"On alarm: one of {list(ACTIONS)}.")
     g.add_argument(
         "--mechmon-exit-code",
@@ -70,7 +88,14 @@ def add_mechmon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "--mechmon-snapshot-device",
         type=str,
         default=_DEFAULTS.snapshot_device,
-        help="Where weight snapshots live: auto or cpu.",
+        help="Where weight snapshots live: auto, device, cpu or pinned (page-locked host memory).",
+    )
+    g.add_argument(
+        "--mechmon-snapshot-max-device-share",
+        type=float,
+        default=_DEFAULTS.snapshot_max_device_share,
+        help="Under --mechmon-snapshot-device auto: the largest share of accelerator memory snapshots may take "
+        "before they move to pinned host memory.",
     )
     g.add_argument(
         "--mechmon-log-dir", type=str, default=None, help="Own TensorBoard + JSONL output when the host has no writer."
@@ -136,6 +161,10 @@ def config_from_args(args: argparse.Namespace) -> MechmonConfig:
         action=args.mechmon_action,
         exit_code=args.mechmon_exit_code,
         snapshot_device=args.mechmon_snapshot_device,
+        snapshot_max_device_share=args.mechmon_snapshot_max_device_share,
+        full_matrix_method=args.mechmon_full_matrix_method,
+        full_matrix_rank=args.mechmon_full_matrix_rank,
+        wq_norm_power_iters=args.mechmon_wq_norm_power_iters,
         log_dir=args.mechmon_log_dir,
         drill_at=args.mechmon_drill_at,
         strict=bool(args.mechmon_strict),

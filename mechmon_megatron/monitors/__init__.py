@@ -23,6 +23,7 @@ from mechmon_megatron.monitors.router import (
 from mechmon_megatron.monitors.spectral import spectral_stats
 from mechmon_megatron.monitors.update_spectrum import (
     per_head_update_singular_values,
+    spectral_norm,
     tail_energy,
     update_singular_values,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "router_conditioning_ratio",
     "router_weight_similarity",
     "routing_entropy",
+    "spectral_norm",
     "spectral_stats",
     "summarize_routing",
     "tail_energy",

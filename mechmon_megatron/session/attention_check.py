@@ -13,7 +13,11 @@ import torch
 
 from mechmon_megatron.monitors.qk_increment import qk_increment_singular_values
 from mechmon_megatron.monitors.spectral import spectral_stats
-from mechmon_megatron.monitors.update_spectrum import per_head_update_singular_values, update_singular_values
+from mechmon_megatron.monitors.update_spectrum import (
+    per_head_update_singular_values,
+    spectral_norm,
+    update_singular_values,
+)
 from mechmon_megatron.session import names
 from mechmon_megatron.session.host import FullQK, QKWeights
 from mechmon_megatron.session.records import CheckOutput, NonFinite, Partial, Stream
@@ -92,15 +96,29 @@ def check_heads(
     return CheckOutput(scalars=scalars, streams=streams)
 
 
-def check_full(layer_number: int, prev: FullQK, now: FullQK, alpha: float) -> CheckOutput:
-    """Full-matrix dW_q / dW_k spectra of one layer (exact SVD), on its owning rank."""
+def check_full(
+    layer_number: int,
+    prev: FullQK,
+    now: FullQK,
+    alpha: float,
+    method: Literal["randomized", "exact"] = "randomized",
+    rank: int = 128,
+    norm_iters: int = 16,
+) -> CheckOutput:
+    """Full-matrix dW_q / dW_k spectra of one layer, on its owning rank.
+
+    ``method="randomized"`` keeps the top ``rank`` singular values (certified lower bounds, see
+    ``update_singular_values``; exact up to round-off when ``rank + 10 >= min(m, n)``);
+    ``"exact"`` the whole fp64 spectrum. ``||W_q||_2`` by ``norm_iters`` power iterations (0: SVD).
+    """
     if not _finite(now.wq, now.wk):
         return CheckOutput(nonfinite=[NonFinite(layer_number, f"layer {layer_number}: non-finite Q/K weights")])
-    dq = update_singular_values(prev.wq.to(now.wq.device), now.wq)
-    dk = update_singular_values(prev.wk.to(now.wk.device), now.wk)
+    kwargs = {"method": "randomized", "rank": rank} if method == "randomized" else {"method": "exact"}
+    dq = update_singular_values(prev.wq.to(now.wq.device), now.wq, **kwargs)
+    dk = update_singular_values(prev.wk.to(now.wk.device), now.wk, **kwargs)
     sq = spectral_stats(dq["singular_values"], alpha=alpha)
     sk = spectral_stats(dk["singular_values"], alpha=alpha)
-    wq_norm = torch.linalg.matrix_norm(now.wq.double(), ord=2)
+    wq_norm = spectral_norm(now.wq, power_iters=norm_iters)
     scalars: dict[str, Partial] = {
         names.attn("dw_entropy", layer_number): Partial("value", float(sq["entropy"])),
         names.attn("dwk_entropy", layer_number): Partial("value", float(sk["entropy"])),

@@ -13,6 +13,7 @@ from typing import Literal, Optional, Union
 
 MONITOR_FAMILIES = ("attn", "router")
 ACTIONS = ("log", "warn", "checkpoint-and-abort")
+SNAPSHOT_DEVICES = ("auto", "device", "cpu", "pinned")
 RESERVED_EXIT_CODES = {
     0: "success",
     1: "generic Python failure",
@@ -46,6 +47,17 @@ class MechmonConfig:
     full_matrix_dw: bool = True
     """Also compute the spectrum of the whole layer's dW_q and dW_k (one owning rank per layer)."""
 
+    full_matrix_method: Literal["randomized", "exact"] = "randomized"
+    """Full-matrix dW spectrum: ``randomized`` (top ``full_matrix_rank`` singular values with a
+    certified error bound, Halko et al. 2011; exact up to round-off when ``full_matrix_rank +
+    oversample >= min(m, n)``) or ``exact`` (fp64 SVD of the whole increment)."""
+
+    full_matrix_rank: int = 128
+    """Singular values kept by the randomized full-matrix spectrum (the entropy is over these)."""
+
+    wq_norm_power_iters: int = 16
+    """Power iterations for ||W_q||_2 (a certified lower bound; 0 = exact SVD norm)."""
+
     action: Literal["log", "warn", "checkpoint-and-abort"] = "warn"
     """``log``: scalars only; ``warn``: also a warning line per alarm; ``checkpoint-and-abort``:
     save a checkpoint on every rank, write ``mechmon_alert.json``, exit with ``exit_code``."""
@@ -53,8 +65,14 @@ class MechmonConfig:
     exit_code: int = 42
     """Process exit code after checkpoint-and-abort; non-zero and not 1, 16 or 17."""
 
-    snapshot_device: Literal["auto", "cpu"] = "auto"
-    """Where the t - delta weight snapshots live: ``auto`` = the weight's device, ``cpu`` = host."""
+    snapshot_device: Literal["auto", "device", "cpu", "pinned"] = "auto"
+    """Where the t - delta weight snapshots live: ``device`` = the weight's device, ``cpu`` =
+    pageable host memory, ``pinned`` = page-locked host memory with asynchronous copies; ``auto``
+    = ``device`` unless the snapshots would take more than ``snapshot_max_device_share`` of the
+    accelerator's memory, then ``pinned`` (on a CPU job everything is host memory)."""
+
+    snapshot_max_device_share: float = 0.02
+    """Largest share of accelerator memory the snapshots may take under ``snapshot_device=auto``."""
 
     log_dir: Optional[str] = None
     """Own TensorBoard/JSONL output directory when the host provides no writer."""
@@ -111,9 +129,23 @@ class MechmonConfig:
             f"must be in 2..255 and not 16 or 17 (reserved: {RESERVED_EXIT_CODES}), got {self.exit_code}",
         )
         _require(
-            self.snapshot_device in ("auto", "cpu"),
+            self.snapshot_device in SNAPSHOT_DEVICES,
             "snapshot-device",
-            f"must be auto or cpu, got {self.snapshot_device!r}",
+            f"must be one of {list(SNAPSHOT_DEVICES)}, got {self.snapshot_device!r}",
+        )
+        _require(
+            0 < self.snapshot_max_device_share <= 1,
+            "snapshot-max-device-share",
+            f"must be in (0, 1], got {self.snapshot_max_device_share!r}",
+        )
+        _require(
+            self.full_matrix_method in ("randomized", "exact"),
+            "full-matrix-method",
+            f"must be randomized or exact, got {self.full_matrix_method!r}",
+        )
+        _require(self.full_matrix_rank >= 1, "full-matrix-rank", f"must be >= 1, got {self.full_matrix_rank}")
+        _require(
+            self.wq_norm_power_iters >= 0, "wq-norm-power-iters", f"must be >= 0, got {self.wq_norm_power_iters}"
         )
         _require(self.drill_at is None or self.drill_at >= 1, "drill-at", f"must be >= 1, got {self.drill_at}")
         _require(self.router_entropy_bins >= 8, "router-entropy-bins", f"must be >= 8, got {self.router_entropy_bins}")

@@ -6,10 +6,15 @@ records. The session never looks at host modules itself.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import logging
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
 import torch
+
+from mechmon_megatron.monitors.router import summarize_routing
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -38,6 +43,29 @@ class FullQK:
     wk: torch.Tensor
 
 
+@dataclass(frozen=True)
+class SnapshotBudget:
+    """What one site's snapshot holds on this rank, known from shapes alone (no read).
+
+    ``heads_elements``: the per-head Q + K rows this rank reports (0: none); ``full_elements``:
+    the whole layer's Q + K rows on the full-matrix owner (0: not the owner); ``shared``: both are
+    the same rows (one owner with tensor parallel size 1), so one copy serves both;
+    ``element_size``: bytes per element as read (4 for FP32 main parameters); ``device``: where
+    the weights live.
+    """
+
+    heads_elements: int
+    full_elements: int
+    shared: bool
+    element_size: int
+    device: torch.device
+
+    def nbytes(self, full_matrix: bool) -> int:
+        full = self.full_elements if full_matrix else 0
+        elements = max(self.heads_elements, full) if self.shared and full else self.heads_elements + full
+        return elements * self.element_size
+
+
 @dataclass
 class AttentionSite:
     """One attention layer as seen from one rank.
@@ -52,6 +80,8 @@ class AttentionSite:
     read_heads: Callable[[], Optional[QKWeights]]
     read_full: Callable[[], Optional[FullQK]]
     name: str = ""
+    snapshot_budget: Optional[SnapshotBudget] = None
+    """For the start-up memory log and the snapshot placement (None: unknown until read)."""
 
 
 @dataclass
@@ -62,6 +92,11 @@ class RouterSite:
     all-reduces a flat fp64 vector over the ranks that route distinct tokens through this router
     (data parallel, plus tensor parallel under sequence parallelism); every rank listing the site
     calls it. ``reports`` is True on exactly one of those ranks.
+
+    On check steps the adapter's forward hook passes each micro-batch's logits to
+    :meth:`capture`, which reduces them at once to a flat fp64 summary (entropy sum, entropy
+    histogram, expert counts) added into ``summary`` on the logits' device: no logits are kept
+    and nothing is read back to the host during the forward.
     """
 
     layer_number: int
@@ -71,32 +106,60 @@ class RouterSite:
     reduce_sum: Callable[[torch.Tensor], torch.Tensor]
     reports: bool
     name: str = ""
-    captured_logits: list = field(default_factory=list)
-    """Filled by the adapter's capture hook on check steps: tensors ``[..., num_experts]``."""
+    num_bins: int = 512
+    """Entropy histogram bins (set by the session from ``--mechmon-router-entropy-bins``)."""
+    summary: Optional[torch.Tensor] = None
+    """Running flat summary of this check step's micro-batches (``RouterEntropySummary`` layout)."""
+    micro_batches: int = 0
+    capture_error: Optional[BaseException] = None
+    """The first exception raised while summarising (reported by the session at the check)."""
+
+    def capture(self, logits: torch.Tensor) -> None:
+        """Add one micro-batch's router logits ``[..., num_experts]`` to the running summary.
+
+        Runs inside the host's forward: it never raises (a failure is kept for the check, which
+        counts it) and never synchronises with the host.
+        """
+        if self.capture_error is not None:
+            return
+        try:
+            flat = summarize_routing(logits.detach(), self.topk, num_bins=self.num_bins).to_flat_tensor()
+            self.summary = flat if self.summary is None else self.summary + flat
+            self.micro_batches += 1
+        except Exception as exc:  # noqa: BLE001 -- never kill the training forward
+            self.capture_error = exc
+
+    def take_summary(self) -> tuple[Optional[torch.Tensor], Optional[BaseException]]:
+        """This step's summary and capture error; resets both for the next check step."""
+        out = (self.summary, self.capture_error)
+        self.summary, self.capture_error, self.micro_batches = None, None, 0
+        return out
 
 
 class Communicator(Protocol):
     """Collectives the session needs across the whole job (every rank calls each, same order)."""
 
     is_writer: bool
+    rank: int
 
     def gather_to_writer(self, obj: Any) -> Optional[list]:
         """Gather one picklable object per rank on the writer rank (None elsewhere)."""
 
-    def broadcast_flag(self, flag: int) -> int:
-        """Return the writer's integer ``flag`` on every rank (one small tensor broadcast)."""
+    def broadcast_from_writer(self, obj: Any) -> Any:
+        """Return the writer's picklable ``obj`` on every rank (the decision of a check)."""
 
 
 class LocalCommunicator:
     """Single process: this rank is the writer."""
 
     is_writer = True
+    rank = 0
 
     def gather_to_writer(self, obj: Any) -> Optional[list]:
         return [obj]
 
-    def broadcast_flag(self, flag: int) -> int:
-        return int(flag)
+    def broadcast_from_writer(self, obj: Any) -> Any:
+        return obj
 
 
 class TorchDistributedCommunicator:
@@ -118,6 +181,7 @@ class TorchDistributedCommunicator:
         world = dist.get_world_size(group)
         self.writer_rank = writer_rank % world
         self.rank = dist.get_rank(group)
+        self.global_rank = dist.get_rank()
         self.is_writer = self.rank == self.writer_rank
         self._world = world
 
@@ -131,7 +195,7 @@ class TorchDistributedCommunicator:
         self._dist.gather_object(obj, out, dst=self._global_writer(), group=self._group)
         return out
 
-    def broadcast_flag(self, flag: int) -> int:
-        box = torch.tensor([int(flag)], dtype=torch.int64, device=self._device)
-        self._dist.broadcast(box, src=self._global_writer(), group=self._group)
-        return int(box.item())
+    def broadcast_from_writer(self, obj: Any) -> Any:
+        box = [obj if self.is_writer else None]
+        self._dist.broadcast_object_list(box, src=self._global_writer(), group=self._group, device=self._device)
+        return box[0]

@@ -21,7 +21,6 @@ from mechmon_megatron.monitors.router import (
     RouterEntropySummary,
     router_conditioning_ratio,
     router_weight_similarity,
-    summarize_routing,
 )
 from mechmon_megatron.session import names
 from mechmon_megatron.session.host import RouterSite
@@ -37,18 +36,23 @@ def empty_vector(site: RouterSite, num_bins: int) -> torch.Tensor:
 
 
 def local_router_vector(site: RouterSite, num_bins: int) -> torch.Tensor:
-    """Flat fp64 summary of every micro-batch this rank captured during the check step.
+    """Flat fp64 summary of every micro-batch this rank routed during the check step.
 
-    The ranks of ``site.reduce_sum`` then add their vectors in one all-reduce.
+    The adapter's hook already reduced each micro-batch in the forward (``RouterSite.capture``);
+    the ranks of ``site.reduce_sum`` then add their vectors in one all-reduce. Raises when the
+    capture failed in the forward (the session counts it).
     """
-    if not site.captured_logits:
+    summary, error = site.take_summary()
+    if error is not None:
+        raise RuntimeError(f"router {site.name or site.layer_number}: capture failed in the forward: "
+                           f"{type(error).__name__}: {error}") from error
+    if summary is None:
         return empty_vector(site, num_bins)
-    # Summarise where the logits live (GPU on a GPU job); only the small vector moves.
-    summaries = [summarize_routing(logits, site.topk, num_bins=num_bins) for logits in site.captured_logits]
-    total = summaries[0]
-    for other in summaries[1:]:
-        total = total.merge(other)
-    return total.to_flat_tensor().cpu()
+    expected = RouterEntropySummary.flat_size(site.num_experts, num_bins)
+    if summary.numel() != expected:
+        raise ValueError(f"router {site.name or site.layer_number}: captured summary has {summary.numel()} "
+                         f"values, expected {expected} (num_bins {num_bins})")
+    return summary.to(torch.float64)
 
 
 def router_output(

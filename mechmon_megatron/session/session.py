@@ -17,6 +17,7 @@ decision reaches every rank in one broadcast.
 from __future__ import annotations
 
 import logging
+import pickle
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -26,7 +27,7 @@ import torch
 from mechmon_megatron.detect.pooled_cusum import PooledCusumDetector
 from mechmon_megatron.session import names
 from mechmon_megatron.session.alert import Alert, AlertReport
-from mechmon_megatron.session.attention_check import check_full, check_heads, snapshot_full, snapshot_heads
+from mechmon_megatron.session.attention_check import check_full, check_heads
 from mechmon_megatron.session.config import MechmonConfig
 from mechmon_megatron.session.detector_inputs import observation
 from mechmon_megatron.session.detector_setup import (
@@ -36,16 +37,25 @@ from mechmon_megatron.session.detector_setup import (
     load_detector_design,
     local_layers,
 )
+from mechmon_megatron.session.failures import FAILED, FailureLog, MechmonStrictError, PhaseFailure, strict_stop_message
 from mechmon_megatron.session.host import AttentionSite, Communicator, LocalCommunicator, RouterSite
 from mechmon_megatron.session.records import CheckOutput, merge_partials
 from mechmon_megatron.session.router_check import empty_vector, local_router_vector, router_output
+from mechmon_megatron.session.snapshots import (
+    SnapshotStore,
+    describe_budget,
+    resolve_placement,
+    snapshot_bytes,
+    weights_device,
+)
 from mechmon_megatron.session.writers import ScalarWriter, WriterGroup
 
 logger = logging.getLogger(__name__)
 
 STATE_VERSION = 2
 """2: the whole-job detector (0.2); 1: the per-stream detector of 0.1 (its baselines are not reused)."""
-_NO_ALARM, _ALARM = 0, 1
+
+__all__ = ["Decision", "MechmonStrictError", "MonitoringSession"]
 
 
 @dataclass
@@ -57,6 +67,8 @@ class Decision:
     abort: bool = False
     exit_code: int = 0
     alerts: list[Alert] = field(default_factory=list)
+    stop: Optional[str] = None
+    """Set under ``--mechmon-strict`` when a monitor failed on some rank: every rank raises it."""
 
 
 class MonitoringSession:
@@ -81,7 +93,11 @@ class MonitoringSession:
         # Validated here, at start-up: a floor above E names its flag before training begins.
         self._router_floors = [config.router_entropy_floor(s.num_experts, s.topk) for s in self.router_sites]
         self.comm = comm or LocalCommunicator()
+        self.rank = int(getattr(self.comm, "global_rank", getattr(self.comm, "rank", 0)))
         self.writer = writer or WriterGroup()
+        for router in self.router_sites:
+            router.num_bins = config.router_entropy_bins
+        self.failures = FailureLog(self.rank, config.strict)
         # Built by the writer at the first check, from every rank's layers (detector_setup).
         self.detector: Optional[PooledCusumDetector] = None
         self.detector_account: Optional[dict] = None
@@ -90,13 +106,21 @@ class MonitoringSession:
         self._detector_design, self._tail_table = load_detector_design(config)  # fails here, not mid-run
         self._active_warnings: set = set()
         self.capturing = False
-        self.errors = 0
         self.checkpoints: list[dict] = []  # [{"iteration": i, "path": p}] saved so far
         self.alerts: list[Alert] = []
-        self._snapshots: dict[int, dict[int, tuple]] = {}  # check step -> site index -> (heads, full)
+        budget = snapshot_bytes(config, self.attention_sites)
+        device = weights_device(self.attention_sites)
+        self.snapshots = SnapshotStore(resolve_placement(config, budget, device))
+        if self.attention_sites:
+            logger.info(describe_budget(config, budget, device, self.snapshots.placement, self.rank))
         self._overhead_s = 0.0
         self._step_start = time.perf_counter()
         self._pending_abort: Optional[Decision] = None
+
+    @property
+    def errors(self) -> int:
+        """Monitor failures caught on this rank so far (the writer sums them in ``mechmon/errors``)."""
+        return self.failures.errors if self.enabled else 0
 
     # ------------------------------------------------------------------ host hooks
     def on_train_start(self, iteration: int) -> None:
@@ -109,6 +133,9 @@ class MonitoringSession:
         if not self.enabled:
             return False
         self.capturing = bool(self.router_sites) and self.config.is_check_step(iteration)
+        if self.capturing:
+            for router in self.router_sites:
+                router.take_summary()  # nothing left over from a check step the host skipped
         return self.capturing
 
     def stop_capture(self) -> None:
@@ -123,6 +150,9 @@ class MonitoringSession:
         self._step_start = time.perf_counter()
         decision = Decision(iteration)
         drill = self.config.is_drill_step(iteration)
+        stale = self.snapshots.drop_stale(iteration)
+        if stale:
+            logger.info("[mechmon] dropped snapshots for check steps %s: their steps were skipped by the host", stale)
         if self.config.is_check_step(iteration):
             decision = self._check(iteration, drill)
         elif drill:
@@ -131,6 +161,11 @@ class MonitoringSession:
         if self.config.is_snapshot_step(iteration):
             self._take_snapshot(iteration)
         self._overhead_s += time.perf_counter() - self._step_start
+        if decision.stop is not None:
+            if not (decision.alarm and self.config.action == "checkpoint-and-abort"):
+                raise MechmonStrictError(decision.stop)
+            # The alarm's checkpoint-and-abort stops every rank anyway, with a checkpoint to roll back to.
+            logger.error("[mechmon] %s (the alarm's checkpoint-and-abort runs first)", decision.stop)
         if decision.alarm and self.config.action == "checkpoint-and-abort":
             decision.abort = True
             decision.exit_code = self.config.exit_code
@@ -192,7 +227,7 @@ class MonitoringSession:
             else:
                 self._pending_detector_state = state["detector"]
         self.checkpoints = list(state.get("checkpoints", []))
-        self.errors = int(state.get("errors", 0))
+        self.failures.errors = int(state.get("errors", 0))
 
     def close(self) -> None:
         if self.enabled:
@@ -206,97 +241,124 @@ class MonitoringSession:
         finally:
             self._overhead_s += time.perf_counter() - start
 
-    def _snapshot_device(self) -> Optional[torch.device]:
-        return torch.device("cpu") if self.config.snapshot_device == "cpu" else None
-
     def _take_snapshot(self, iteration: int) -> None:
-        """Copy the weights a later check (at iteration + delta) will compare against."""
-        device = self._snapshot_device()
-        taken: dict[int, tuple] = {}
-        for index, site in enumerate(self.attention_sites):
-            full = site.read_full()  # may be a collective: every rank calls it
-            heads = site.read_heads()
-            taken[index] = (
-                snapshot_heads(heads, device) if heads is not None else None,
-                snapshot_full(full, device) if (full is not None and self.config.full_matrix_dw) else None,
-            )
-        self._snapshots[iteration + self.config.delta] = taken
+        """Copy the weights a later check (at iteration + delta) will compare against.
 
-    def _guard(self, fn, *args):
-        """Run a monitor computation; count and log failures unless strict mode re-raises."""
-        try:
-            return fn(*args)
-        except Exception:  # noqa: BLE001 -- a monitor must never kill training by default
-            if self.config.strict:
-                raise
-            self.errors += 1
-            logger.exception("[mechmon] monitor failed (counted in mechmon/errors; training goes on)")
-            return None
+        Every rank reads every site (reads may be collectives); a failed read or copy leaves that
+        site out of the snapshot, and the set is stored anyway, so all ranks agree that a check
+        is due (the check still runs every read in order).
+        """
+        taken: dict[int, tuple] = {}
+        log = self.failures
+        for index, site in enumerate(self.attention_sites):
+            layer = site.layer_number
+            full = log.run("snapshot-read", layer, iteration, site.read_full)
+            if full is FAILED:
+                continue  # read_full raised on every rank of its group (collective_guard)
+            heads = log.run("snapshot-read", layer, iteration, site.read_heads)
+            if heads is FAILED:
+                continue
+            copied = log.run("snapshot", layer, iteration, self.snapshots.take, heads,
+                             full if self.config.full_matrix_dw else None)
+            if copied is not FAILED:
+                taken[index] = copied
+        self.snapshots.put(iteration + self.config.delta, taken)
 
     def _check(self, iteration: int, drill: bool = False) -> Decision:
         cfg = self.config
+        log = self.failures
         outputs: list[CheckOutput] = []
-        snapshot = self._snapshots.pop(iteration, None)
+        snapshot = self.snapshots.pop(iteration)
         # No snapshot (e.g. the first check after a resume) is the same on every rank, since all
         # ranks follow one schedule; the reads below are collectives, so all skip them together.
         sites = self.attention_sites if snapshot is not None else []
         for index, site in enumerate(sites):
-            full = site.read_full()  # collectives first, unconditionally, in site order
-            heads = site.read_heads()
+            layer = site.layer_number
+            full = log.run("read", layer, iteration, site.read_full)  # collectives first, in site order
+            if full is FAILED:
+                continue
+            heads = log.run("read", layer, iteration, site.read_heads)
             assert snapshot is not None  # `sites` is empty without a snapshot
-            prev_heads, prev_full = snapshot[index]
-            if heads is not None and prev_heads is not None:
-                outputs.append(
-                    self._guard(
-                        check_heads,
-                        site.layer_number,
-                        prev_heads,
-                        heads,
-                        cfg.alpha,
-                        cfg.qk_method,
-                        cfg.per_head_scalars,
-                    )
-                )
+            prev_heads, prev_full = snapshot.get(index, (None, None))
+            if heads is not FAILED and heads is not None and prev_heads is not None:
+                outputs.append(log.run("kernel", layer, iteration, check_heads, layer, prev_heads, heads, cfg.alpha,
+                                       cfg.qk_method, cfg.per_head_scalars))
             if full is not None and prev_full is not None:
-                outputs.append(self._guard(check_full, site.layer_number, prev_full, full, cfg.alpha))
+                outputs.append(log.run("kernel", layer, iteration, check_full, layer, prev_full, full, cfg.alpha,
+                                       cfg.full_matrix_method, cfg.full_matrix_rank, cfg.wq_norm_power_iters))
+        self.snapshots.release(snapshot)
         for router, floor in zip(self.router_sites, self._router_floors):
-            local = self._guard(local_router_vector, router, cfg.router_entropy_bins)
-            router.captured_logits.clear()
-            # The all-reduce runs on every rank even if this rank's summary failed.
-            flat = router.reduce_sum(local if local is not None else empty_vector(router, cfg.router_entropy_bins))
-            outputs.append(self._guard(router_output, router, flat, cfg.router_entropy_bins, floor))
-        outputs = [o for o in outputs if o is not None]
+            outputs.append(self._router_check(iteration, router, floor))
+        outputs = [o for o in outputs if o is not None and o is not FAILED]
+        gathered = self.comm.gather_to_writer(self._payload(iteration, outputs))
 
-        payload = {
-            "layers": self._local_layers,
-            "scalars": [o.scalars for o in outputs],
-            "streams": [s for o in outputs for s in o.streams],
-            "nonfinite": [report for o in outputs for report in o.nonfinite],
-            "errors": self.errors,
-            # Session time since the previous check: snapshots in between plus this check so far.
-            "overhead_s": self._overhead_s + (time.perf_counter() - self._step_start),
-        }
-        gathered = self.comm.gather_to_writer(payload)
-        flag = _NO_ALARM
-        alerts: list[Alert] = []
+        verdict: dict = {"alarm": False, "alerts": [], "stop": None}
         if self.comm.is_writer:
             assert gathered is not None  # the writer receives every rank's payload
-            try:
-                alerts = self._decide(iteration, gathered, drill)
-            except Exception:  # noqa: BLE001
-                if cfg.strict:
-                    raise
-                self.errors += 1
-                logger.exception("[mechmon] alarm decision failed; no action this check")
-            flag = _ALARM if alerts else _NO_ALARM
-        flag = self.comm.broadcast_flag(flag)
+            verdict = self._verdict(iteration, gathered, drill)
+        verdict = self.comm.broadcast_from_writer(verdict)  # the one decision, on every rank
         self._overhead_s = 0.0
         self._step_start = time.perf_counter()  # what follows is counted towards the next check
+        alerts = list(verdict["alerts"])
         # A drill alarms on every rank even if the writer's decision failed: all know the step.
-        alarm = flag == _ALARM or drill
-        if drill and not self.comm.is_writer:
+        if drill and not alerts:
             alerts = [_drill_alert(iteration)]
-        return Decision(iteration, alarm=alarm, alerts=alerts)
+        return Decision(iteration, alarm=bool(verdict["alarm"]) or drill, alerts=alerts, stop=verdict["stop"])
+
+    def _router_check(self, iteration: int, router: RouterSite, floor: Optional[float]):
+        """One router: local summary, the all-reduce (every rank, always), the reporting rank's output.
+
+        A rank whose summary failed contributes zeros and a failure mark in the same all-reduce,
+        so every rank of the group learns it and the partial total is not reported.
+        """
+        cfg = self.config
+        log = self.failures
+        layer = router.layer_number
+        local = log.run("router", layer, iteration, local_router_vector, router, cfg.router_entropy_bins)
+        failed = local is FAILED
+        if failed:
+            local = empty_vector(router, cfg.router_entropy_bins)
+        marked = torch.cat([local.reshape(-1).to(torch.float64).cpu(),
+                            torch.tensor([1.0 if failed else 0.0], dtype=torch.float64)])
+        total = router.reduce_sum(marked)
+        if float(total[-1]) > 0:
+            if not failed:
+                logger.warning("[mechmon] router layer %d: a peer rank's summary failed at iteration %d; not reported "
+                               "this check", layer, iteration)
+            return None
+        return log.run("router", layer, iteration, router_output, router, total[:-1], cfg.router_entropy_bins, floor)
+
+    def _payload(self, iteration: int, outputs: list[CheckOutput]) -> dict:
+        """This rank's records for the writer; always picklable (a failed build sends failures only)."""
+        def build() -> dict:
+            payload = {
+                "layers": self._local_layers,
+                "scalars": [o.scalars for o in outputs],
+                "streams": [st for o in outputs for st in o.streams],
+                "nonfinite": [report for o in outputs for report in o.nonfinite],
+                # Session time since the previous check: snapshots in between plus this check so far.
+                "overhead_s": self._overhead_s + (time.perf_counter() - self._step_start),
+            }
+            pickle.dumps(payload)  # fail here, under the guard, not inside the gather collective
+            return payload
+
+        payload = self.failures.run("payload", None, iteration, build)
+        if payload is FAILED:
+            payload = {"layers": self._local_layers, "scalars": [], "streams": [], "nonfinite": [], "overhead_s": 0.0}
+        payload["failures"] = self.failures.take()
+        payload["errors"] = self.failures.errors
+        payload["rank"] = self.rank
+        return payload
+
+    def _verdict(self, iteration: int, gathered: list[dict], drill: bool) -> dict:
+        """Writer rank: the decision every rank will take (alarm, alerts, strict stop)."""
+        alerts = self.failures.run("decision", None, iteration, self._decide, iteration, gathered, drill)
+        if alerts is FAILED:
+            alerts = [_drill_alert(iteration)] if drill else []
+        failures: list[PhaseFailure] = [f for payload in gathered for f in payload["failures"]]
+        failures += self.failures.take()  # the writer's own, from the decision and the writers
+        stop = strict_stop_message(failures) if (self.config.strict and failures) else None
+        return {"alarm": bool(alerts), "alerts": alerts, "stop": stop}
 
     def _ensure_detector(self, gathered: list[dict]) -> PooledCusumDetector:
         if self.detector is None:
@@ -353,21 +415,21 @@ class MonitoringSession:
         scalars.update({f"{names.DETECT_PREFIX}/{key}": value for key, value in result.statistics.items()})
         scalars[names.ALARM] = 1.0 if alerts else 0.0
         scalars[names.WARNINGS] = float(len(result.warnings))
-        scalars[names.ERRORS] = float(sum(p["errors"] for p in gathered))
+        # Cumulative over ranks; the writer's own count includes failures of this decision so far.
+        others = sum(p["errors"] for p in gathered if p["rank"] != self.rank)
+        scalars[names.ERRORS] = float(others + self.failures.errors)
         scalars[names.OVERHEAD_MS] = 1000.0 * max(p["overhead_s"] for p in gathered)
         self.alerts.extend(alerts)
         for alert in alerts:
             if self.config.action != "log":
                 logger.warning(alert.describe())
-        try:
-            self.writer.write_scalars(scalars, iteration)
-            self.writer.flush()
-        except Exception:  # noqa: BLE001 -- losing scalars must never lose an alarm
-            if self.config.strict:
-                raise
-            self.errors += 1
-            logger.exception("[mechmon] writing scalars failed at iteration %d (the decision stands)", iteration)
+        # Written after the decision: a failing writer is counted and never changes an alarm.
+        self.failures.run("write", None, iteration, self._write, scalars, iteration)
         return alerts
+
+    def _write(self, scalars: dict, iteration: int) -> None:
+        self.writer.write_scalars(scalars, iteration)
+        self.writer.flush()
 
     def _log_new_warnings(self, iteration: int, warnings: list) -> None:
         current = set(warnings)
@@ -383,8 +445,7 @@ class MonitoringSession:
         if self.comm.is_writer:
             logger.warning(alert.describe())
             self.alerts.append(alert)
-            self.writer.write_scalars({names.ALARM: 1.0}, iteration)
-            self.writer.flush()
+            self.failures.run("write", None, iteration, self._write, {names.ALARM: 1.0}, iteration)
         return Decision(iteration, alarm=True, alerts=[alert])
 
 

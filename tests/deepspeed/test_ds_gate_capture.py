@@ -10,6 +10,7 @@ pytest.importorskip("deepspeed")
 from deepspeed.moe.sharded_moe import TopKGate  # noqa: E402
 
 from mechmon_megatron.adapters.deepspeed.gate_capture import find_gates, install_gate_capture  # noqa: E402
+from mechmon_megatron.monitors.router import summarize_routing  # noqa: E402
 from mechmon_megatron.session.host import RouterSite  # noqa: E402
 
 
@@ -25,22 +26,23 @@ def test_capture_recomputes_logits_on_armed_training_forwards():
     tokens = torch.randn(10, 16)
 
     gate(tokens)  # not armed: nothing kept
-    assert site.captured_logits == []
+    assert site.summary is None
     armed["on"] = True
     gate(tokens)
-    (logits,) = site.captured_logits
-    torch.testing.assert_close(logits, tokens @ gate.wg.weight.detach().t())
-    assert not logits.requires_grad
+    # Reduced in the hook to the summary of the gate's full logits (brute force: the gate's weight).
+    expected = summarize_routing(tokens @ gate.wg.weight.detach().t(), 2, num_bins=site.num_bins).to_flat_tensor()
+    torch.testing.assert_close(site.summary, expected)
+    assert not site.summary.requires_grad and site.micro_batches == 1
 
     gate.eval()  # eval forwards are not training statistics
     gate(tokens)
-    assert len(site.captured_logits) == 1
+    assert site.micro_batches == 1
 
     gate.train()
-    site.captured_logits.clear()
+    site.take_summary()
     used = torch.tensor([1, 0] * 5)
     gate(tokens, used)
-    assert site.captured_logits[0].shape == (5, 4)  # masked tokens left out, as the gate does
+    assert float(site.summary[0]) == 5  # masked tokens left out, as the gate does
 
     with pytest.raises(RuntimeError, match="already has a mechmon capture hook"):
         install_gate_capture(gate, site, lambda: True)

@@ -11,7 +11,7 @@ import torch
 from mechmon_megatron.session import names
 from mechmon_megatron.session.config import MechmonConfig
 from mechmon_megatron.session.host import AttentionSite, FullQK, QKWeights, RouterSite
-from mechmon_megatron.session.session import MonitoringSession
+from mechmon_megatron.session.session import MechmonStrictError, MonitoringSession
 from mechmon_megatron.session.writers import JsonlScalarWriter, TensorBoardScalarWriter, WriterGroup
 
 HEADS, GROUPS, HEAD_DIM, HIDDEN, EXPERTS = 4, 2, 8, 32, 4
@@ -188,7 +188,8 @@ def test_monitor_exception_is_counted_not_raised_unless_strict(tmp_path):
     strict = MonitoringSession(
         MechmonConfig(enabled=True, interval=5, delta=5, strict=True), [broken], writer=WriterGroup()
     )
-    with pytest.raises(ValueError):
+    # Strict: the failure travels with the check's payload; every rank raises the same error.
+    with pytest.raises(MechmonStrictError, match=r"rank 0, iteration 5, phase kernel, layer 1: ValueError"):
         run(strict, [layer], 10)
 
 
@@ -199,7 +200,7 @@ def test_router_site_statistics(tmp_path):
     logits = torch.randn(16, 2, EXPERTS)
     for it in range(1, 11):
         if session.on_step_start(it):
-            site.captured_logits.append(logits)  # what the adapter's capture hook does
+            site.capture(logits)  # what the adapter's capture hook does
         session.on_step_end(it)
     session.close()
     rows = read_jsonl(tmp_path / "scalars.jsonl")
@@ -212,7 +213,7 @@ def test_router_site_statistics(tmp_path):
     cos = u @ u.T
     expected_s = float((cos.sum() - cos.diagonal().sum()) / (EXPERTS * (EXPERTS - 1)))
     assert got[names.router("weight_similarity", 1)] == pytest.approx(expected_s, rel=1e-9, abs=1e-12)
-    assert site.captured_logits == []
+    assert site.summary is None  # consumed by the check
 
 
 @pytest.mark.parametrize(
@@ -246,7 +247,7 @@ def _router_session(tmp_path, logits, topk=2, **overrides):
     decisions = []
     for it in range(1, 21):
         if session.on_step_start(it):
-            site.captured_logits.append(logits)
+            site.capture(logits)
         decisions.append(session.on_step_end(it))
     session.close()
     return decisions, read_jsonl(tmp_path / "scalars.jsonl")

@@ -31,10 +31,11 @@ SECTION = "mechmon"
 PREFIX = f"ds_config.{SECTION}"
 EXTRA_KEYS = ("checkpoint_dir", "attention_mapping")
 _FIELDS = {f.name: f for f in dataclasses.fields(MechmonConfig) if f.name != "extra"}
-_INT_KEYS = ("interval", "delta", "exit_code", "drill_at", "router_entropy_bins")
-_FLOAT_KEYS = ("alpha", "false_alarm_rate")
+_INT_KEYS = ("interval", "delta", "exit_code", "drill_at", "router_entropy_bins", "full_matrix_rank",
+             "wq_norm_power_iters")
+_FLOAT_KEYS = ("alpha", "false_alarm_rate", "snapshot_max_device_share")
 _BOOL_KEYS = ("enabled", "full_matrix_dw", "strict", "per_head_scalars")
-_STR_KEYS = ("qk_method", "action", "snapshot_device", "log_dir", "detector_calibration")
+_STR_KEYS = ("qk_method", "action", "snapshot_device", "log_dir", "detector_calibration", "full_matrix_method")
 
 
 def read_ds_config(source: Union[str, os.PathLike, Mapping[str, Any]]) -> dict:

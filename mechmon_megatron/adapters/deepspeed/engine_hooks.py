@@ -47,6 +47,7 @@ from mechmon_megatron.session.host import (
     LocalCommunicator,
     QKWeights,
     RouterSite,
+    SnapshotBudget,
     TorchDistributedCommunicator,
 )
 from mechmon_megatron.session.session import Decision, MonitoringSession
@@ -88,6 +89,16 @@ class _AttentionReader:
         self.collective = any(read_is_collective(p) for p in found.params)
         self._cache: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
+    def budget(self) -> SnapshotBudget:
+        """FP32 master weights of the owner's Q + K rows (heads and full matrix are the same rows)."""
+        f = self.found
+        param = f.params[0]
+        shape = tuple(getattr(param, "ds_shape", param.shape))
+        hidden = int(min(shape)) if f.layout == "gpt2_c_attn" else int(shape[-1])
+        elements = (f.num_heads + f.num_groups) * f.head_dim * hidden if self.owner else 0
+        return SnapshotBudget(heads_elements=elements, full_elements=elements if self.full_matrix else 0,
+                              shared=True, element_size=4, device=param.device)
+
     def read_full(self) -> Optional[FullQK]:
         # The session calls read_full first on every rank; do the (possibly collective) read here.
         self._cache = self.found.read(read_full_param) if (self.owner or self.collective) else None
@@ -100,7 +111,9 @@ class _AttentionReader:
         cache, self._cache = self._cache, None
         if not self.owner:
             return None
-        wq, wk = cache if cache is not None else self.found.read(read_full_param)
+        if cache is None:  # never re-read here: the read may be a collective the peers have left
+            raise RuntimeError(f"{self.found.name}: read_heads called without a successful read_full")
+        wq, wk = cache
         return QKWeights(wq=wq, wk=wk, head_offset=0)
 
 
@@ -122,7 +135,7 @@ class _RouterReader:
 
     def reduce_sum(self, vector: torch.Tensor) -> torch.Tensor:
         if not _distributed() or dist.get_world_size(self.group) == 1:
-            return vector
+            return vector.cpu()
         device = self.gate.wg.weight.device  # NCCL needs the accelerator tensor
         work = vector.to(device=device, dtype=torch.float64)
         dist.all_reduce(work, group=self.group)
@@ -201,7 +214,8 @@ class MechmonDeepSpeed:
             reader = _AttentionReader(
                 found_one, owner=(layer - 1) % _world() == _rank(), full_matrix=self.config.full_matrix_dw
             )
-            sites.append(AttentionSite(layer, reader.read_heads, reader.read_full, found_one.name))
+            sites.append(AttentionSite(layer, reader.read_heads, reader.read_full, found_one.name,
+                                       snapshot_budget=reader.budget()))
         return sites
 
     def _build_router_sites(self, model: torch.nn.Module) -> list[RouterSite]:

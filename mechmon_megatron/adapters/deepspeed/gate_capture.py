@@ -4,7 +4,8 @@
 (``F.linear(input.float(), wg.weight.float())``), so hooks on ``wg`` never fire and the full
 softmax is never materialised. A forward pre-hook on the gate recomputes the logits
 ``[num_tokens, num_experts]`` from the gate input -- only while capture is armed (training
-forwards of a check step); on every other forward the hook costs one boolean test.
+forwards of a check step) and reduces them at once to the router summary (``RouterSite.capture``);
+on every other forward the hook costs one boolean test.
 
 Notes: with ``noisy_gate_policy="Jitter"`` the gate sees a jittered input; we recompute from the
 clean input (the routing distribution without the training noise). Tokens masked out by
@@ -48,7 +49,12 @@ def install_gate_capture(gate: torch.nn.Module, site: RouterSite, armed: Callabl
         if not (module.training and armed()) or not args:
             return None
         used_token = args[1] if len(args) > 1 and isinstance(args[1], torch.Tensor) else None
-        site.captured_logits.append(gate_logits(module, args[0], used_token))
+        try:
+            logits = gate_logits(module, args[0], used_token)
+        except Exception as exc:  # noqa: BLE001 -- never kill the training forward; the check counts it
+            site.capture_error = site.capture_error or exc
+            return None
+        site.capture(logits)  # reduced at once to a small summary: no logits kept
         return None
 
     handle = gate.register_forward_pre_hook(pre_hook)

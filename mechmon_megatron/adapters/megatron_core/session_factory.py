@@ -75,6 +75,7 @@ def build_mcore_session(
         ps = _parallel_state()
         tp_group = ps.get_tensor_model_parallel_group()
         dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
+        dp = ps.get_data_parallel_world_size(with_context_parallel=True)
         tp_rank = ps.get_tensor_model_parallel_rank()
         if _sequence_parallel(model_chunks):
             reduce_group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
@@ -82,11 +83,12 @@ def build_mcore_session(
             reduce_group = ps.get_data_parallel_group(with_context_parallel=True)
         comm = TorchDistributedCommunicator(writer_rank=writer_rank)
     else:
-        tp_group, dp_rank, tp_rank, reduce_group = None, 0, 0, None
+        tp_group, dp_rank, dp, tp_rank, reduce_group = None, 0, 1, 0, None
         comm = LocalCommunicator()
 
     holder: dict[str, MonitoringSession] = {}
-    attn = attention_sites(found_attention, tp_group, config.full_matrix_dw) if dp_rank == 0 else []
+    # Every rank lists its stage's layers: the work is spread over the DP x TP ranks (sites.py).
+    attn = attention_sites(found_attention, tp_group, config.full_matrix_dw, dp_rank=dp_rank, dp=dp)
     routers = router_sites(
         found_routers,
         reduce_group,

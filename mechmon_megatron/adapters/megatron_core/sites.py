@@ -1,11 +1,16 @@
 """Turn megatron-core modules into the session's sites, handling TP / DP / EP / SP layouts.
 
-Who computes what (so every value is produced exactly once):
-* Attention: only the first data-parallel replica (DP rank 0, context-parallel included) lists
-  attention sites. Within its tensor-parallel group each rank reports its own ``np / tp`` query
-  heads -- sliced locally when it holds whole query groups (ng >= tp), otherwise from the
-  TP-gathered weight (ng < tp). The full-matrix dW of layer L is computed on TP rank
-  ``(L - 1) % tp`` (round-robin) from the gathered weight.
+Who computes what (so every value is produced exactly once, and the work is spread over every
+rank that holds a copy of the layer):
+* Attention: every rank lists every attention layer of its pipeline stage (reads may be
+  collectives: the TP gather, and the data-parallel gather of sharded FP32 main parameters).
+  The per-head work of layer L runs on data-parallel replica ``(L - 1) % dp`` (context parallel
+  included), where each TP rank reports its own ``np / tp`` query heads -- sliced locally when it
+  holds whole query groups (ng >= tp), otherwise from the TP-gathered weight (ng < tp). The
+  full-matrix dW of layer L runs on one rank of the DP x TP grid: index ``j = (L - 1) % (dp * tp)``,
+  i.e. replica ``j // tp``, TP rank ``j % tp``, from the TP-gathered weight.
+* Every gather runs through ``collective_guard``: a rank whose own part fails makes every rank of
+  the group raise instead of leaving them waiting in the collective.
 * Routers: every rank lists them; token statistics are summed over the data-parallel group (plus
   the TP group under sequence parallelism, where TP ranks route different tokens); one rank per
   pipeline stage (DP rank 0, TP rank 0) reports.
@@ -19,8 +24,13 @@ import torch
 import torch.distributed as dist
 
 from mechmon_megatron.adapters.megatron_core.discovery import FoundAttention, FoundRouter
-from mechmon_megatron.session.host import AttentionSite, FullQK, QKWeights, RouterSite
+from mechmon_megatron.session.collective_guard import guarded_collective
+from mechmon_megatron.session.host import AttentionSite, FullQK, QKWeights, RouterSite, SnapshotBudget
 from mechmon_megatron.session.qkv_layout import split_qk
+
+WeightSource = Callable[[torch.nn.Parameter], Callable[[], torch.Tensor]]
+"""Given a ``linear_qkv.weight``, a reader of the weights to monitor (e.g. FP32 main parameters).
+The reader may be a collective over the data-parallel group: every rank calls it, in site order."""
 
 
 def _group_size(group: Any) -> int:
@@ -31,25 +41,40 @@ def _group_rank(group: Any) -> int:
     return dist.get_rank(group) if dist.is_initialized() else 0
 
 
-def _all_gather_rows(tensor: torch.Tensor, group: Any) -> torch.Tensor:
-    """Concatenate the TP shards of a row-sharded weight (plain collective, no autograd)."""
+def _read_and_gather_rows(read: Callable[[], torch.Tensor], group: Any, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(local, gathered)``: the rank's row shard and the TP shards concatenated (no autograd).
+
+    Every rank of ``group`` enters the all-gather only after all of them read their shard and
+    prepared their buffers; a local failure (an out-of-memory error) raises on every rank
+    instead of leaving the others waiting in the collective.
+    """
     size = _group_size(group)
-    if size == 1:
-        return tensor
-    parts = [torch.empty_like(tensor) for _ in range(size)]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
-    return torch.cat(parts, dim=0)
+
+    def prepare() -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        local = read()
+        return local, local.contiguous(), [torch.empty_like(local) for _ in range(size)]
+
+    def gather(prepared: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        local, own, parts = prepared
+        dist.all_gather(parts, own, group=group)
+        return local, torch.cat(parts, dim=0)
+
+    return guarded_collective(prepare, gather, group, what)
 
 
 class _AttentionReader:
     """Reads per-head and full Q/K weights of one SelfAttention on one rank."""
 
-    def __init__(self, found: FoundAttention, tp_group: Any, full_matrix: bool) -> None:
+    def __init__(self, found: FoundAttention, tp_group: Any, full_matrix: bool, dp_rank: int = 0, dp: int = 1,
+                 weight_source: Optional[WeightSource] = None) -> None:
         module = found.module
         self.full_matrix = full_matrix
         cfg = module.config
         self.layer_number = found.layer_number
         self.weight = module.linear_qkv.weight
+        self.read_weight: Callable[[], torch.Tensor] = (
+            weight_source(self.weight) if weight_source is not None else (lambda: self.weight.detach())
+        )
         self.tp_group = tp_group
         self.tp = _group_size(tp_group)
         self.tp_rank = _group_rank(tp_group)
@@ -58,45 +83,81 @@ class _AttentionReader:
         self.hn = module.hidden_size_per_attention_head
         self.gate = bool(getattr(cfg, "attention_output_gate", False))
         self.np_local = self.np // self.tp
-        self.owner = (self.layer_number - 1) % self.tp == self.tp_rank
+        index = self.layer_number - 1
+        self.heads_owner = index % dp == dp_rank
+        full_replica = full_matrix and (index % (dp * self.tp)) // self.tp == dp_rank
+        self.full_owner = full_replica and index % (dp * self.tp) % self.tp == self.tp_rank
+        # The TP group of a replica gathers when that replica does full-matrix work, or per-head
+        # work on a layer whose query groups span ranks (ng < tp). All its TP ranks agree.
+        self.gathers = self.tp > 1 and (full_replica or (self.heads_owner and self.ng < self.tp))
+        self._local: Optional[torch.Tensor] = None
         self._gathered: Optional[torch.Tensor] = None
 
-    def _full_weight(self) -> torch.Tensor:
-        if self._gathered is None:
-            self._gathered = _all_gather_rows(self.weight.detach(), self.tp_group)
-        return self._gathered
+    def budget(self, element_size: int) -> SnapshotBudget:
+        hidden = int(self.weight.shape[-1])
+        groups_local = self.ng // self.tp if self.ng >= self.tp else 1
+        heads = (self.np_local + groups_local) * self.hn * hidden if self.heads_owner else 0
+        full = (self.np + self.ng) * self.hn * hidden if self.full_owner else 0
+        return SnapshotBudget(heads_elements=heads, full_elements=full, shared=self.tp == 1,
+                              element_size=element_size, device=self.weight.device)
 
     def read_full(self) -> Optional[FullQK]:
-        """Full Q/K of the layer on its owning TP rank (None elsewhere). Collective when tp > 1."""
-        # Called first in every check/snapshot: gather once, reuse in read_heads, then drop.
-        self._gathered = None
-        if not self.full_matrix and self.ng >= self.tp:
+        """Full Q/K of the layer on its owner (None elsewhere). Collective: every rank calls it first."""
+        self._local = self._gathered = None
+        # read_weight may itself be a data-parallel collective (sharded FP32 main parameters).
+        if self.gathers:
+            local, self._gathered = _read_and_gather_rows(self.read_weight, self.tp_group,
+                                                          f"layer {self.layer_number} Q/K weights")
+        else:
+            local = self.read_weight()
+        self._local = local
+        if not self.full_owner:
             return None
-        full = self._full_weight() if self.tp > 1 else self.weight.detach()  # every TP rank joins
-        if not (self.full_matrix and self.owner):
-            return None
+        full = self._gathered if self.tp > 1 else local
+        assert full is not None
         wq, wk = split_qk(full, self.np, self.ng, self.hn, self.gate)
         return FullQK(wq=wq.reshape(self.np * self.hn, -1), wk=wk.reshape(self.ng * self.hn, -1))
 
-    def read_heads(self) -> QKWeights:
+    def read_heads(self) -> Optional[QKWeights]:
+        """This rank's heads on the layer's per-head replica (None elsewhere); uses read_full's read."""
+        local, gathered = self._local, self._gathered
+        self._local = self._gathered = None
+        if not self.heads_owner:
+            return None
+        if local is None:
+            raise RuntimeError(f"layer {self.layer_number}: read_heads called without a successful read_full")
         offset = self.tp_rank * self.np_local
         if self.ng >= self.tp:
-            wq, wk = split_qk(self.weight.detach(), self.np_local, self.ng // self.tp, self.hn, self.gate)
-            self._gathered = None
+            wq, wk = split_qk(local, self.np_local, self.ng // self.tp, self.hn, self.gate)
             return QKWeights(wq=wq, wk=wk, head_offset=offset)
-        # ng < tp: a query group spans ranks; read_full already gathered the weight this round.
-        wq_all, wk_all = split_qk(self._full_weight(), self.np, self.ng, self.hn, self.gate)
-        self._gathered = None
+        # ng < tp: a query group spans ranks; read_full gathered the weight this round.
+        assert gathered is not None
+        wq_all, wk_all = split_qk(gathered, self.np, self.ng, self.hn, self.gate)
         group = offset // (self.np // self.ng)  # np/tp heads of one rank share one group
         return QKWeights(wq=wq_all[offset : offset + self.np_local], wk=wk_all[group : group + 1], head_offset=offset)
 
 
-def attention_sites(found: list[FoundAttention], tp_group: Any, full_matrix: bool) -> list[AttentionSite]:
+def attention_sites(
+    found: list[FoundAttention],
+    tp_group: Any,
+    full_matrix: bool,
+    dp_rank: int = 0,
+    dp: int = 1,
+    weight_source: Optional[WeightSource] = None,
+    element_size: Optional[int] = None,
+) -> list[AttentionSite]:
+    """One site per attention layer of this rank's stage; see the module docstring for who does what.
+
+    ``weight_source``: what to read (default: the model weight); ``element_size``: bytes per
+    element of that read (default: the model weight's), for the snapshot budget.
+    """
     sites = []
     for item in found:
         group = getattr(item.module, "tp_group", None) or tp_group
-        reader = _AttentionReader(item, group, full_matrix)
-        sites.append(AttentionSite(item.layer_number, reader.read_heads, reader.read_full, item.name))
+        reader = _AttentionReader(item, group, full_matrix, dp_rank, dp, weight_source)
+        size = element_size if element_size is not None else reader.weight.element_size()
+        sites.append(AttentionSite(item.layer_number, reader.read_heads, reader.read_full, item.name,
+                                   snapshot_budget=reader.budget(size)))
     return sites
 
 
@@ -110,7 +171,7 @@ def router_sites(
 
         def reduce_sum(vector: torch.Tensor, _group=reduce_group, _device=module.weight.device) -> torch.Tensor:
             if not dist.is_initialized() or _group_size(_group) == 1:
-                return vector
+                return vector.cpu()
             # fp64 for exact integer counts; NCCL needs the tensor on the module's device.
             work = vector.to(device=_device, dtype=torch.float64)
             dist.all_reduce(work, group=_group)
@@ -131,11 +192,12 @@ def router_sites(
 
 
 def install_logit_capture(router: torch.nn.Module, site: RouterSite, capture_enabled) -> None:
-    """Wrap ``router.gating`` (instance attribute) to keep its logits on check steps only.
+    """Wrap ``router.gating`` (instance attribute) to summarise its logits on check steps only.
 
     megatron-core's router returns only sparse top-k probabilities; the full softmax is never
-    materialised, so we keep the logits and softmax them ourselves. On other steps the wrapper
-    costs one boolean test.
+    materialised, so we softmax the logits ourselves, reduced at once to a small summary
+    (``RouterSite.capture``: no logits kept, no host sync). On other steps the wrapper costs one
+    boolean test.
     """
     if getattr(router, "_mechmon_capture", False):
         raise RuntimeError(f"router {site.name} already has a mechmon capture hook (attach the session once)")
@@ -144,7 +206,7 @@ def install_logit_capture(router: torch.nn.Module, site: RouterSite, capture_ena
     def gating(input: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         logits = original(input, *args, **kwargs)
         if capture_enabled():
-            site.captured_logits.append(logits.detach())
+            site.capture(logits)
         return logits
 
     router.gating = gating

@@ -185,7 +185,7 @@ def test_replay_applies_the_recorded_routing_entropy_floor(tmp_path):
             margin = 0.1 * it  # the winner's margin grows every check (stable-winner loop)
             logits = torch.zeros(64, experts)
             logits[:, 3] = margin
-            site.captured_logits.append(logits)
+            site.capture(logits)
         if session.on_step_end(it).alarm:
             online.append(it)
     session.close()

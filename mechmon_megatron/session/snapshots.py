@@ -1,0 +1,155 @@
+"""Weight snapshots between a snapshot step and its check: placement, budget, lifecycle.
+
+A check at step t compares the weights with a snapshot taken at t - delta. Snapshots are taken
+every ``interval`` steps and each lives ``delta`` steps, so ``ceil(delta / interval)`` sets are
+held at once (a ring keyed by the check step they serve). Lifecycle rules:
+
+* a snapshot whose check step has passed without a check (the host skipped the step: a
+  DeepSpeed overflow step, a Megatron skipped iteration) is dropped at the next step, so nothing
+  stale accumulates and no check ever compares across a longer window than ``delta``;
+* when one site's per-head rows and whole-layer rows are the same data (one owner, tensor
+  parallel size 1) they are copied once and the per-head snapshot is a view of the full one;
+* placement: ``device`` (where the weights are), ``cpu`` (pageable host memory), ``pinned``
+  (page-locked host memory, asynchronous device-to-host copies into reused buffers), or ``auto``:
+  ``device`` unless the budget exceeds ``snapshot_max_device_share`` of the accelerator's memory.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional, Sequence
+
+import torch
+
+from mechmon_megatron.session.config import MechmonConfig
+from mechmon_megatron.session.host import AttentionSite, FullQK, QKWeights
+
+logger = logging.getLogger(__name__)
+
+MIB = 1024 * 1024
+
+
+def snapshot_bytes(config: MechmonConfig, sites: Sequence[AttentionSite]) -> Optional[int]:
+    """Bytes this rank's snapshots hold at most (all sets alive at once); None if a site is unknown."""
+    budgets = [s.snapshot_budget for s in sites]
+    if any(b is None for b in budgets):
+        return None
+    per_set = sum(b.nbytes(config.full_matrix_dw) for b in budgets if b is not None)
+    return per_set * config.overlap
+
+
+def weights_device(sites: Sequence[AttentionSite]) -> torch.device:
+    devices = {b.device for s in sites if (b := s.snapshot_budget) is not None}
+    return next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
+
+
+def resolve_placement(config: MechmonConfig, nbytes: Optional[int], device: torch.device) -> str:
+    """``device``, ``cpu`` or ``pinned`` for this rank (``auto`` resolved, CPU jobs: host memory)."""
+    setting = config.snapshot_device
+    if device.type != "cuda":
+        if setting == "pinned":
+            logger.warning("[mechmon] --mechmon-snapshot-device pinned needs a CUDA device; the weights are on %s, "
+                           "so snapshots use ordinary host memory", device)
+        return "cpu" if setting in ("cpu", "pinned") else "device"
+    if setting != "auto":
+        return setting
+    total = torch.cuda.get_device_properties(device).total_memory
+    if nbytes is not None and nbytes > config.snapshot_max_device_share * total:
+        return "pinned"
+    return "device"
+
+
+def describe_budget(config: MechmonConfig, nbytes: Optional[int], device: torch.device, placement: str,
+                    rank: int) -> str:
+    """The start-up line: ``mechmon: snapshots hold N MiB on <device>`` plus how it was chosen."""
+    where = {"device": str(device), "cpu": "cpu", "pinned": "cpu (pinned)"}[placement]
+    size = "an unknown amount" if nbytes is None else f"{nbytes / MIB:.1f} MiB"
+    sets = config.overlap
+    ring = (f"; {sets} sets held at once (delta {config.delta} > interval {config.interval})" if sets > 1 else "")
+    return (f"mechmon: snapshots hold {size} on {where} (rank {rank}; --mechmon-snapshot-device "
+            f"{config.snapshot_device}{ring})")
+
+
+class SnapshotStore:
+    """The snapshots of one rank, keyed by the check step that consumes them."""
+
+    def __init__(self, placement: str) -> None:
+        self.placement = placement
+        self._sets: dict[int, dict[int, tuple[Optional[QKWeights], Optional[FullQK]]]] = {}
+        self._pool: dict[tuple, list[torch.Tensor]] = {}  # pinned buffers for reuse
+
+    def __len__(self) -> int:
+        return len(self._sets)
+
+    def check_steps(self) -> list[int]:
+        return sorted(self._sets)
+
+    def nbytes(self) -> int:
+        """Bytes held now (views of a shared copy counted once)."""
+        seen: dict[int, int] = {}
+        for taken in self._sets.values():
+            for heads, full in taken.values():
+                for part in (heads, full):
+                    if part is not None:
+                        for t in (part.wq, part.wk):
+                            storage = t.untyped_storage()
+                            seen[storage.data_ptr()] = storage.nbytes()
+        return sum(seen.values())
+
+    def put(self, check_step: int, taken: dict[int, tuple[Optional[QKWeights], Optional[FullQK]]]) -> None:
+        self._sets[check_step] = taken
+
+    def pop(self, check_step: int) -> Optional[dict[int, tuple[Optional[QKWeights], Optional[FullQK]]]]:
+        return self._sets.pop(check_step, None)
+
+    def release(self, taken: Optional[dict]) -> None:
+        """Give a consumed set's pinned buffers back for the next snapshot."""
+        if self.placement != "pinned" or not taken:
+            return
+        for heads, full in taken.values():
+            if full is not None:
+                for t in (full.wq, full.wk):
+                    self._pool.setdefault((tuple(t.shape), t.dtype), []).append(t)
+            elif heads is not None:
+                for t in (heads.wq, heads.wk):
+                    self._pool.setdefault((tuple(t.shape), t.dtype), []).append(t)
+
+    def drop_stale(self, iteration: int) -> list[int]:
+        """Drop snapshots for check steps before ``iteration`` (their check never ran)."""
+        stale = [step for step in self._sets if step < iteration]
+        for step in stale:
+            self.release(self._sets.pop(step))
+        return stale
+
+    # ---------------------------------------------------------------- copies
+    def copy(self, t: torch.Tensor) -> torch.Tensor:
+        """A contiguous copy of ``t`` at this store's placement (asynchronous into pinned memory)."""
+        src = t.detach()
+        if self.placement == "device":
+            return src.clone(memory_format=torch.contiguous_format)
+        if self.placement == "cpu":
+            return src.to("cpu", copy=True).contiguous()
+        pool = self._pool.get((tuple(src.shape), src.dtype))
+        dst = pool.pop() if pool else torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+        # Ordered on the current stream before the optimizer's next update of the weights, and
+        # read back only by device kernels enqueued after it: no host synchronisation needed.
+        dst.copy_(src, non_blocking=True)
+        return dst
+
+    def take(self, heads: Optional[QKWeights], full: Optional[FullQK]) -> tuple[Optional[QKWeights], Optional[FullQK]]:
+        """Copies of one site's reads; per-head rows that equal the full rows share their copy."""
+        full_copy = FullQK(wq=self.copy(full.wq), wk=self.copy(full.wk)) if full is not None else None
+        if heads is None:
+            return None, full_copy
+        if full is not None and full_copy is not None and _same_rows(heads, full):
+            return QKWeights(wq=full_copy.wq.view(heads.wq.shape), wk=full_copy.wk.view(heads.wk.shape),
+                             head_offset=heads.head_offset), full_copy
+        return QKWeights(wq=self.copy(heads.wq), wk=self.copy(heads.wk), head_offset=heads.head_offset), full_copy
+
+
+def _same_rows(heads: QKWeights, full: FullQK) -> bool:
+    """True when the per-head read covers every head and group of the full read, in order."""
+    if heads.head_offset != 0 or heads.wq.numel() != full.wq.numel() or heads.wk.numel() != full.wk.numel():
+        return False
+    return bool(torch.equal(heads.wq.reshape(full.wq.shape), full.wq)
+                and torch.equal(heads.wk.reshape(full.wk.shape), full.wk))
