@@ -108,7 +108,7 @@ def check_full(
     """Full-matrix dW_q / dW_k spectra of one layer, on its owning rank.
 
     ``method="randomized"`` keeps the top ``rank`` singular values (certified lower bounds, see
-    ``update_singular_values``; exact up to round-off when ``rank + 10 >= min(m, n)``);
+    ``update_singular_values``; the whole spectrum up to round-off when ``rank >= min(m, n)``);
     ``"exact"`` the whole fp64 spectrum. ``||W_q||_2`` by ``norm_iters`` power iterations (0: SVD).
     """
     if not _finite(now.wq, now.wk):

@@ -49,8 +49,8 @@ class MechmonConfig:
 
     full_matrix_method: Literal["randomized", "exact"] = "randomized"
     """Full-matrix dW spectrum: ``randomized`` (top ``full_matrix_rank`` singular values with a
-    certified error bound, Halko et al. 2011; exact up to round-off when ``full_matrix_rank +
-    oversample >= min(m, n)``) or ``exact`` (fp64 SVD of the whole increment)."""
+    certified error bound, Halko et al. 2011; the whole spectrum, exact up to round-off, when
+    ``full_matrix_rank >= min(m, n)``) or ``exact`` (fp64 SVD of the whole increment)."""
 
     full_matrix_rank: int = 128
     """Singular values kept by the randomized full-matrix spectrum (the entropy is over these)."""

@@ -45,7 +45,9 @@ class PhaseFailure:
 
 
 def strict_stop_message(failures: list[PhaseFailure]) -> str:
-    """The one message every rank raises under ``--mechmon-strict`` (first failures first)."""
+    """The one message every rank raises under ``--mechmon-strict`` (root causes before the peers
+    that only saw them: a ``PeerFailure`` is the echo of a failure on another rank)."""
+    failures = sorted(failures, key=lambda f: f.error.startswith("PeerFailure"))
     shown = "; ".join(f.describe() for f in failures[:5])
     more = f" (+{len(failures) - 5} more)" if len(failures) > 5 else ""
     return (f"mechmon monitor failed and --mechmon-strict is set; every rank stops: {shown}{more}. "

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -57,17 +58,40 @@ def run_python(script: str | os.PathLike, args: Sequence[str], timeout_s: float 
 
 
 def _launch(cmd: list[str], timeout_s: float, env: Optional[dict[str, str]]) -> TorchrunResult:
+    return _finish(_start(cmd, env), timeout_s)
+
+
+def run_ranks(script: str | os.PathLike, args: Sequence[str], nproc: int = 2, timeout_s: float = 120.0,
+              env: Optional[dict[str, str]] = None) -> list[TorchrunResult]:
+    """Start ``nproc`` ranks as plain processes with the rendezvous in the environment, as
+    ``srun`` does without torchrun: nothing tears the job down when one rank exits, so a rank
+    left waiting in a collective shows up as a timeout. Returns each rank's own result."""
+    port = str(free_port())
+    procs = []
+    for rank in range(nproc):
+        rank_env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, **(env or {})}
+        procs.append(_start([sys.executable, str(script), *map(str, args)], rank_env))
+    # Read every rank's output concurrently: a full pipe would block a rank and look like a hang.
+    with ThreadPoolExecutor(nproc) as pool:
+        return list(pool.map(lambda p: _finish(p, timeout_s), procs))
+
+
+def _start(cmd: list[str], env: Optional[dict[str, str]]) -> subprocess.Popen:
     full_env = dict(os.environ)
     full_env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                      "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT),
                                                                  full_env.get("PYTHONPATH")]))})
     full_env.update(env or {})
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=full_env, stdout=subprocess.PIPE,
+    return subprocess.Popen(cmd, cwd=REPO_ROOT, env=full_env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen, timeout_s: float) -> TorchrunResult:
     try:
         output, _ = proc.communicate(timeout=timeout_s)
         return TorchrunResult(proc.returncode, output, timed_out=False)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its workers, started by us
+        os.killpg(proc.pid, signal.SIGKILL)  # the process and its children, started by us
         output, _ = proc.communicate()
         return TorchrunResult(proc.returncode, output, timed_out=True)

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mechmon_megatron.monitors.update_spectrum import (
+    spectral_norm,
     per_head_update_singular_values,
     tail_energy,
     update_singular_values,
@@ -148,3 +149,29 @@ def test_full_matrix_errors():
     bad[0, 0] = float("inf")
     with pytest.raises(ValueError, match=r"w_prev contains 1 non-finite"):
         update_singular_values(bad, w)
+
+
+@pytest.mark.parametrize("m,n", [(48, 32), (32, 96)])
+def test_spectral_norm_power_iteration_is_a_converging_lower_bound(m, n):
+    g = torch.Generator().manual_seed(3)
+    u, _ = torch.linalg.qr(torch.randn(m, min(m, n), generator=g, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(n, min(m, n), generator=g, dtype=torch.float64))
+    s = torch.linspace(1.0, 0.05, min(m, n), dtype=torch.float64)
+    s[0] = 2.0  # a gap, as trained attention weights have: (s2/s1)^2 = 0.25 per iteration
+    w = (u * s) @ v.T
+    exact = torch.linalg.matrix_norm(w, ord=2)
+    assert float(spectral_norm(w, power_iters=0)) == pytest.approx(float(exact), rel=1e-12)
+    previous = 0.0
+    for iters in (1, 2, 4, 16):
+        estimate = float(spectral_norm(w.float(), power_iters=iters))
+        assert estimate <= float(exact) * (1 + 1e-6)  # never above the true norm (fp32 input: 1e-6)
+        assert estimate >= previous - 1e-9
+        previous = estimate
+    assert previous == pytest.approx(float(exact), rel=1e-6)
+
+
+def test_spectral_norm_errors():
+    with pytest.raises(ValueError, match="power_iters"):
+        spectral_norm(torch.ones(3, 3), power_iters=-1)
+    with pytest.raises(ValueError, match="weight"):
+        spectral_norm(torch.ones(3))
