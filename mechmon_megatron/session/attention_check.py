@@ -68,26 +68,33 @@ def check_heads(
     heads = [now.head_offset + i for i in range(now.wq.shape[0])]
     n_heads, n_groups = float(len(heads)), float(now.wk.shape[0])
     ratio = stats["delta3"]["fro_norm"] / d2["fro_norm"].clamp_min(torch.finfo(torch.float64).tiny)
+    # Everything the host needs, read back in one transfer (one host sync on an accelerator).
+    sums = torch.stack([d2["entropy"].sum(), d2["entropy"].min(), d2["normalized_entropy"].sum(),
+                        d2["effective_rank"].sum(), stats["delta1"]["entropy"].sum(),
+                        stats["delta3"]["entropy"].sum(), ratio.sum(), dwq["entropy"].sum(), dwk["entropy"].sum()])
+    values = torch.cat([sums.to(torch.float64), d2["entropy"].to(torch.float64), d2["valid"].to(torch.float64),
+                        d2["fro_norm"].to(torch.float64)]).tolist()
+    (h_sum, h_min, norm_sum, rank_sum, d1_sum, d3_sum, ratio_sum, dwq_sum, dwk_sum), per_head = values[:9], values[9:]
+    n = len(heads)
+    entropy, valid, fro = per_head[:n], per_head[n : 2 * n], per_head[2 * n :]
     # Partials, merged on the writer over the TP ranks that share a layer (see merge_partials).
     scalars: dict[str, Partial] = {
-        names.attn("delta2_entropy", layer_number): Partial("mean", float(d2["entropy"].sum()), n_heads),
-        names.attn("delta2_entropy_min", layer_number): Partial("min", float(d2["entropy"].min())),
-        names.attn("delta2_norm_entropy", layer_number): Partial(
-            "mean", float(d2["normalized_entropy"].sum()), n_heads
-        ),
-        names.attn("delta2_eff_rank", layer_number): Partial("mean", float(d2["effective_rank"].sum()), n_heads),
-        names.attn("delta1_entropy", layer_number): Partial("mean", float(stats["delta1"]["entropy"].sum()), n_heads),
-        names.attn("delta3_entropy", layer_number): Partial("mean", float(stats["delta3"]["entropy"].sum()), n_heads),
-        names.attn("delta3_to_delta2", layer_number): Partial("mean", float(ratio.sum()), n_heads),
-        names.attn("dwq_head_entropy", layer_number): Partial("mean", float(dwq["entropy"].sum()), n_heads),
+        names.attn("delta2_entropy", layer_number): Partial("mean", h_sum, n_heads),
+        names.attn("delta2_entropy_min", layer_number): Partial("min", h_min),
+        names.attn("delta2_norm_entropy", layer_number): Partial("mean", norm_sum, n_heads),
+        names.attn("delta2_eff_rank", layer_number): Partial("mean", rank_sum, n_heads),
+        names.attn("delta1_entropy", layer_number): Partial("mean", d1_sum, n_heads),
+        names.attn("delta3_entropy", layer_number): Partial("mean", d3_sum, n_heads),
+        names.attn("delta3_to_delta2", layer_number): Partial("mean", ratio_sum, n_heads),
+        names.attn("dwq_head_entropy", layer_number): Partial("mean", dwq_sum, n_heads),
         # With fewer query groups than TP ranks a group is replicated on tp/ng ranks; every group
         # is replicated equally often, so sum/count is still the exact mean over groups.
-        names.attn("dwk_head_entropy", layer_number): Partial("mean", float(dwk["entropy"].sum()), n_groups),
+        names.attn("dwk_head_entropy", layer_number): Partial("mean", dwk_sum, n_groups),
     }
     streams: list[Stream] = []
     for i, head in enumerate(heads):
-        value = float(d2["entropy"][i]) if bool(d2["valid"][i]) else float("nan")
-        if not bool(d2["valid"][i]) and float(d2["fro_norm"][i]) == 0.0:
+        value = entropy[i] if valid[i] else float("nan")
+        if not valid[i] and fro[i] == 0.0:
             continue  # no update in the window (e.g. frozen layer): nothing to judge
         streams.append(Stream(name=names.attn("delta2_entropy", layer_number, head), family=ATTN_DELTA2, value=value,
                               layer_number=layer_number, head=head))
@@ -119,16 +126,20 @@ def check_full(
     sq = spectral_stats(dq["singular_values"], alpha=alpha)
     sk = spectral_stats(dk["singular_values"], alpha=alpha)
     wq_norm = spectral_norm(now.wq, power_iters=norm_iters)
+    # One transfer to the host for the whole layer.
+    hq, hk, stable, fro, norm, valid_q, valid_k = torch.stack([
+        sq["entropy"], sk["entropy"], sq["stable_rank"], dq["fro_norm"], wq_norm,
+        sq["valid"].to(torch.float64), sk["valid"].to(torch.float64)]).tolist()
     scalars: dict[str, Partial] = {
-        names.attn("dw_entropy", layer_number): Partial("value", float(sq["entropy"])),
-        names.attn("dwk_entropy", layer_number): Partial("value", float(sk["entropy"])),
-        names.attn("dw_stable_rank", layer_number): Partial("value", float(sq["stable_rank"])),
-        names.attn("dw_fro_norm", layer_number): Partial("value", float(dq["fro_norm"])),
-        names.attn("wq_spectral_norm", layer_number): Partial("value", float(wq_norm)),
+        names.attn("dw_entropy", layer_number): Partial("value", hq),
+        names.attn("dwk_entropy", layer_number): Partial("value", hk),
+        names.attn("dw_stable_rank", layer_number): Partial("value", stable),
+        names.attn("dw_fro_norm", layer_number): Partial("value", fro),
+        names.attn("wq_spectral_norm", layer_number): Partial("value", norm),
     }
     streams: list[Stream] = []
-    for metric, stat in (("dw_entropy", sq), ("dwk_entropy", sk)):
-        if bool(stat["valid"]):
-            streams.append(Stream(name=names.attn(metric, layer_number), family=ATTN_DW, value=float(stat["entropy"]),
+    for metric, value, valid in (("dw_entropy", hq, valid_q), ("dwk_entropy", hk, valid_k)):
+        if valid:
+            streams.append(Stream(name=names.attn(metric, layer_number), family=ATTN_DW, value=value,
                                   layer_number=layer_number))
     return CheckOutput(scalars=scalars, streams=streams)

@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
+from mechmon_megatron.session import names
 from mechmon_megatron.session.alert import Alert
 from mechmon_megatron.session.attention_check import check_full
 from mechmon_megatron.session.host import FullQK
-from mechmon_megatron.session import names
 from mechmon_megatron.session.records import NonFinite, Partial, merge_partials
 
 
@@ -45,7 +45,8 @@ def test_randomized_full_matrix_check_equals_exact_when_the_sketch_spans_the_mat
     i.e. at the example trainer's shapes; a certified truncation at frontier shapes."""
     g = torch.Generator().manual_seed(0)
     prev = FullQK(wq=torch.randn(64, 48, generator=g), wk=torch.randn(32, 48, generator=g))
-    now = FullQK(wq=prev.wq + 1e-2 * torch.randn(64, 48, generator=g), wk=prev.wk + 1e-2 * torch.randn(32, 48, generator=g))
+    now = FullQK(wq=prev.wq + 1e-2 * torch.randn(64, 48, generator=g),
+                 wk=prev.wk + 1e-2 * torch.randn(32, 48, generator=g))
     exact = check_full(3, prev, now, alpha=2.0, method="exact", norm_iters=0)
     fast = check_full(3, prev, now, alpha=2.0, method="randomized", rank=48, norm_iters=0)
     for key, part in exact.scalars.items():

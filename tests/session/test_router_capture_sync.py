@@ -1,0 +1,59 @@
+"""Router statistics are reduced inside the forward hook: no logits kept, no host sync (issue 11).
+
+The CUDA test is part of tools/gpu_check.sh; on CPU the exactness test runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mechmon_megatron.monitors.router import summarize_routing
+from mechmon_megatron.session.host import RouterSite
+
+EXPERTS, TOPK = 8, 2
+
+
+def _site(bins: int = 64) -> RouterSite:
+    return RouterSite(layer_number=1, num_experts=EXPERTS, topk=TOPK, weight=lambda: torch.zeros(EXPERTS, 4),
+                      reduce_sum=lambda v: v, reports=True, num_bins=bins)
+
+
+def _micro_batches(device: str) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(16, 2, EXPERTS, generator=g).to(device) for _ in range(3)]
+
+
+def test_summary_of_micro_batches_equals_the_summary_of_all_their_tokens():
+    site = _site()
+    batches = _micro_batches("cpu")
+    for logits in batches:
+        site.capture(logits)
+    expected = summarize_routing(torch.cat([b.reshape(-1, EXPERTS) for b in batches]), TOPK, num_bins=64)
+    torch.testing.assert_close(site.summary, expected.to_flat_tensor(), rtol=1e-12, atol=1e-9)
+    assert site.micro_batches == 3 and site.capture_error is None
+    summary, error = site.take_summary()
+    assert summary is not None and error is None and site.summary is None  # reset for the next check
+
+
+def test_a_failing_capture_is_kept_for_the_check_and_never_raises_in_the_forward():
+    site = _site()
+    site.capture(torch.randn(4, 3))  # 3 != 8 experts: the summary cannot be added
+    site.capture(torch.randn(4, EXPERTS))
+    summary, error = site.take_summary()
+    assert error is not None  # the check raises it (counted), the partial summary is not used
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (tools/gpu_check.sh)")
+def test_capture_on_cuda_never_synchronises_with_the_host():
+    site = _site(bins=512)
+    batches = _micro_batches("cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any device-to-host sync raises
+    try:
+        for logits in batches:
+            site.capture(logits)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert site.capture_error is None, site.capture_error
+    assert site.summary is not None and site.summary.device.type == "cuda"
