@@ -17,6 +17,7 @@ held at once (a ring keyed by the check step they serve). Lifecycle rules:
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional, Sequence
 
 import torch
@@ -43,20 +44,43 @@ def weights_device(sites: Sequence[AttentionSite]) -> torch.device:
     return next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
 
 
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def resolve_placement(config: MechmonConfig, nbytes: Optional[int], device: torch.device) -> str:
-    """``device``, ``cpu`` or ``pinned`` for this rank (``auto`` resolved, CPU jobs: host memory)."""
+    """``device``, ``cpu`` or ``pinned`` for this rank (``auto`` resolved, CPU jobs: host memory).
+
+    ``ValueError`` naming the flags when the budget cannot fit where it must go.
+    """
     setting = config.snapshot_device
     if device.type != "cuda":
         if setting == "pinned":
             logger.warning("[mechmon] --mechmon-snapshot-device pinned needs a CUDA device; the weights are on %s, "
                            "so snapshots use ordinary host memory", device)
-        return "cpu" if setting in ("cpu", "pinned") else "device"
-    if setting != "auto":
-        return setting
-    total = torch.cuda.get_device_properties(device).total_memory
-    if nbytes is not None and nbytes > config.snapshot_max_device_share * total:
-        return "pinned"
-    return "device"
+        placement = "cpu" if setting in ("cpu", "pinned") else "device"
+    elif setting != "auto":
+        placement = setting
+    else:
+        total = torch.cuda.get_device_properties(device).total_memory
+        big = nbytes is not None and nbytes > config.snapshot_max_device_share * total
+        placement = "pinned" if big else "device"
+    _check_fits(config, nbytes, device, placement)
+    return placement
+
+
+def _check_fits(config: MechmonConfig, nbytes: Optional[int], device: torch.device, placement: str) -> None:
+    if nbytes is None:
+        return
+    on_device = placement == "device" and device.type == "cuda"
+    capacity = torch.cuda.get_device_properties(device).total_memory if on_device else host_memory_bytes()
+    if nbytes > 0.5 * capacity:
+        where = f"{device} ({capacity / MIB:.0f} MiB)" if on_device else f"host memory ({capacity / MIB:.0f} MiB)"
+        raise ValueError(
+            f"mechmon snapshots would hold {nbytes / MIB:.0f} MiB on this rank, more than half of {where}: lower "
+            f"--mechmon-delta (now {config.delta}; {config.overlap} snapshot sets are held at once), pass "
+            "--mechmon-no-full-matrix-dw, or choose another --mechmon-snapshot-device"
+        )
 
 
 def describe_budget(config: MechmonConfig, nbytes: Optional[int], device: torch.device, placement: str,

@@ -122,3 +122,11 @@ def test_auto_placement_moves_a_large_budget_to_pinned_memory():
 def test_bad_snapshot_and_full_matrix_settings_name_their_flag(overrides, flag):
     with pytest.raises(ValueError, match=flag):
         MechmonConfig(enabled=True, **overrides)
+
+
+def test_a_budget_that_cannot_fit_names_the_flags():
+    from mechmon_megatron.session.snapshots import host_memory_bytes
+
+    config = MechmonConfig(enabled=True, interval=10, delta=30)
+    with pytest.raises(ValueError, match=r"--mechmon-delta \(now 30; 3 snapshot sets.*--mechmon-no-full-matrix-dw"):
+        resolve_placement(config, host_memory_bytes(), torch.device("cpu"))
