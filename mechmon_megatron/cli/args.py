@@ -91,6 +91,12 @@ def add_mechmon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         help="Where weight snapshots live: auto, device, cpu or pinned (page-locked host memory).",
     )
     g.add_argument(
+        "--mechmon-weights",
+        type=str,
+        default=_DEFAULTS.weights,
+        help="Read the FP32 main parameters the optimizer updates (main) or the model weights (model).",
+    )
+    g.add_argument(
         "--mechmon-snapshot-max-device-share",
         type=float,
         default=_DEFAULTS.snapshot_max_device_share,
@@ -162,6 +168,7 @@ def config_from_args(args: argparse.Namespace) -> MechmonConfig:
         exit_code=args.mechmon_exit_code,
         snapshot_device=args.mechmon_snapshot_device,
         snapshot_max_device_share=args.mechmon_snapshot_max_device_share,
+        weights=args.mechmon_weights,
         full_matrix_method=args.mechmon_full_matrix_method,
         full_matrix_rank=args.mechmon_full_matrix_rank,
         wq_norm_power_iters=args.mechmon_wq_norm_power_iters,

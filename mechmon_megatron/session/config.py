@@ -65,6 +65,14 @@ class MechmonConfig:
     exit_code: int = 42
     """Process exit code after checkpoint-and-abort; non-zero and not 1, 16 or 17."""
 
+    weights: Literal["main", "model"] = "main"
+    """Which copy of W_q / W_k the monitors read: ``main`` = the FP32 main parameters the
+    optimizer updates (where the host keeps them; megatron-core's mixed-precision and distributed
+    optimizers, DeepSpeed's master weights), ``model`` = the model weights as the forward uses
+    them (BF16 in mixed precision: their rounding adds white noise to dW that grows relative to
+    the update as the learning rate decays; docs/PERFORMANCE.md). Without an FP32 main copy the
+    model weight is read, with a notice."""
+
     snapshot_device: Literal["auto", "device", "cpu", "pinned"] = "auto"
     """Where the t - delta weight snapshots live: ``device`` = the weight's device, ``cpu`` =
     pageable host memory, ``pinned`` = page-locked host memory with asynchronous copies; ``auto``
@@ -133,6 +141,7 @@ class MechmonConfig:
             "snapshot-device",
             f"must be one of {list(SNAPSHOT_DEVICES)}, got {self.snapshot_device!r}",
         )
+        _require(self.weights in ("main", "model"), "weights", f"must be main or model, got {self.weights!r}")
         _require(
             0 < self.snapshot_max_device_share <= 1,
             "snapshot-max-device-share",

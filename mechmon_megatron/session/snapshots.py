@@ -87,7 +87,7 @@ def describe_budget(config: MechmonConfig, nbytes: Optional[int], device: torch.
                     rank: int) -> str:
     """The start-up line: ``mechmon: snapshots hold N MiB on <device>`` plus how it was chosen."""
     where = {"device": str(device), "cpu": "cpu", "pinned": "cpu (pinned)"}[placement]
-    size = "an unknown amount" if nbytes is None else f"{nbytes / MIB:.1f} MiB"
+    size = "an unknown amount" if nbytes is None else f"{nbytes / MIB:.4g} MiB"
     sets = config.overlap
     ring = (f"; {sets} sets held at once (delta {config.delta} > interval {config.interval})" if sets > 1 else "")
     return (f"mechmon: snapshots hold {size} on {where} (rank {rank}; --mechmon-snapshot-device "

@@ -39,10 +39,13 @@ Patches (see ``PATCHES`` for the exact module list):
    setup_embeddings_and_output_layer`` moves the tied embedding with ``weight.data.cuda()``
    before all-reducing it over the embedding group; during that one call ``Tensor.cuda`` returns
    the tensor unchanged.
+7. ``optimizer-type-check``: the Float16 (bf16/fp16) and distributed optimizers sort their
+   parameters by ``Tensor.type()`` against CUDA type names (``'torch.cuda.BFloat16Tensor'``) in
+   their constructors and raise TypeError for CPU tensors; during those two constructors only, a
+   CPU tensor's ``type()`` answers with the CUDA name.
 
 Not patched (unsupported on CPU, fail loudly): the alltoall/flex MoE token dispatchers (CUDA
-streams), the distributed optimizer's ``Tensor.type()`` checks and fp16/bf16 optimizers, FSDP,
-CUDA graphs, Transformer Engine. Use ``--moe-token-dispatcher-type allgather`` and fp32.
+streams), FSDP, CUDA graphs, Transformer Engine. Use ``--moe-token-dispatcher-type allgather``.
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ PATCHES: tuple[str, ...] = (
     "te-general-gemm",
     "torch-norm-sequence-parallel",
     "embedding-tie-cuda",
+    "optimizer-type-check",
 )
 
 _applied: list[str] = []
@@ -274,6 +278,41 @@ def _patch_embedding_tie() -> bool:
     return True
 
 
+def _patch_optimizer_type_check() -> bool:
+    classes = []
+    for module, name in (("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params"),
+                         ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer")):
+        try:
+            classes.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            continue
+    real_type = torch.Tensor.type
+
+    def cuda_type_name(tensor, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs and tensor.device.type == "cpu":
+            return real_type(tensor).replace("torch.", "torch.cuda.", 1)
+        return real_type(tensor, dtype, non_blocking, **kwargs)
+
+    patched = False
+    for cls in classes:
+        original = cls.__init__
+        if getattr(original, "_mechmon_cpu", False):
+            continue
+
+        @functools.wraps(original)
+        def __init__(self, *args, _original=original, **kwargs):
+            torch.Tensor.type = cuda_type_name
+            try:
+                _original(self, *args, **kwargs)
+            finally:
+                torch.Tensor.type = real_type
+
+        __init__._mechmon_cpu = True
+        cls.__init__ = __init__
+        patched = True
+    return patched
+
+
 def enable_cpu_compat() -> list[str]:
     """Apply the CPU patches once (idempotent); no-op when CUDA is available.
 
@@ -293,6 +332,7 @@ def enable_cpu_compat() -> list[str]:
         ("te-general-gemm", _patch_te_general_gemm),
         ("torch-norm-sequence-parallel", _patch_torch_norm),
         ("embedding-tie-cuda", _patch_embedding_tie),
+        ("optimizer-type-check", _patch_optimizer_type_check),
     ):
         if fn():
             _applied.append(name)

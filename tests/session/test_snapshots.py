@@ -75,7 +75,7 @@ def test_delta_longer_than_interval_keeps_a_ring_and_logs_the_budget(tmp_path, c
     with caplog.at_level(logging.INFO, logger="mechmon_megatron.session.session"):
         session = _session(tmp_path, [layer], interval=5, delta=12)
     expected_mib = 3 * ELEMENTS * 4 / 2**20  # ceil(12 / 5) = 3 sets, one copy per layer each
-    assert (f"mechmon: snapshots hold {expected_mib:.1f} MiB on cpu (rank 0; --mechmon-snapshot-device auto; "
+    assert (f"mechmon: snapshots hold {expected_mib:.4g} MiB on cpu (rank 0; --mechmon-snapshot-device auto; "
             "3 sets held at once (delta 12 > interval 5)") in caplog.text
     held = []
     session.on_train_start(0)

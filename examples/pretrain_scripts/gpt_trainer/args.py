@@ -73,6 +73,12 @@ def _training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-interval", type=int, default=None,
                    help="Save (if --save) and exit when iteration %% exit-interval == 0.")
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--bf16", action="store_true",
+                   help="BF16 model parameters with FP32 main parameters in the optimizer "
+                        "(megatron-core mixed precision: Float16Module, FP32 grad reduction).")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="Shard the optimizer state and FP32 main parameters over the "
+                        "data-parallel group (megatron-core DistributedOptimizer).")
     g.add_argument("--num-threads", type=int, default=None,
                    help="torch threads per process on CPU (default 1).")
 

@@ -50,7 +50,7 @@ def main(argv: Optional[Sequence[str]] = None,
     from .data import SampleSchedule, open_stream
     from .loop import Trainer
     from .metrics import MetricsWriter, is_writer_rank
-    from .model import build_model, build_transformer_config, wrap_ddp
+    from .model import build_model, build_transformer_config, model_dtype, wrap_ddp
     from .runtime import init_distributed, set_seeds
 
     if args.distributed_backend is None:
@@ -61,12 +61,13 @@ def main(argv: Optional[Sequence[str]] = None,
     set_seeds(args.seed)
 
     config = build_transformer_config(args)
-    model_chunks = [wrap_ddp(build_model(args, config), config)]
+    model_chunks = [wrap_ddp(build_model(args, config), config, args.use_distributed_optimizer)]
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr,
                         weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
                         adam_beta2=args.adam_beta2, clip_grad=args.clip_grad,
-                        params_dtype=torch.float32, use_distributed_optimizer=False),
+                        bf16=args.bf16, params_dtype=model_dtype(args),
+                        use_distributed_optimizer=args.use_distributed_optimizer),
         model_chunks, config_overrides=router_lr_overrides(args))
     config.grad_scale_func = optimizer.scale_loss
     gbs = args.global_batch_size

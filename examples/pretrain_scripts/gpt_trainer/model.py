@@ -25,6 +25,7 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from .attention import core_attention_spec
@@ -57,8 +58,9 @@ def build_transformer_config(args: argparse.Namespace) -> TransformerConfig:
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
+        params_dtype=model_dtype(args),
+        pipeline_dtype=model_dtype(args),
+        bf16=bool(getattr(args, "bf16", False)),
         add_bias_linear=False,  # with MoE the biased local path fails on an in-place add
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
@@ -67,6 +69,11 @@ def build_transformer_config(args: argparse.Namespace) -> TransformerConfig:
         persist_layer_norm=False,
         **moe,
     )
+
+
+def model_dtype(args: argparse.Namespace) -> torch.dtype:
+    """Model parameter dtype: BF16 with ``--bf16`` (the optimizer keeps FP32 main params), else FP32."""
+    return torch.bfloat16 if getattr(args, "bf16", False) else torch.float32
 
 
 def build_layer_spec(args: argparse.Namespace, core_attention: Optional[Any] = None) -> ModuleSpec:
@@ -98,9 +105,15 @@ def build_model(args: argparse.Namespace, config: TransformerConfig) -> GPTModel
     return model
 
 
-def wrap_ddp(model: GPTModel, config: TransformerConfig) -> DistributedDataParallel:
+def wrap_ddp(model: GPTModel, config: TransformerConfig,
+             use_distributed_optimizer: bool = False) -> DistributedDataParallel:
+    """Megatron DDP around ``model``; with ``config.bf16`` first a ``Float16Module`` (BF16 compute,
+    FP32 loss) and gradients reduced in FP32, as Megatron-LM does for ``--bf16``."""
+    if config.bf16:
+        model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=False, overlap_grad_reduce=False, use_distributed_optimizer=False)
+        grad_reduce_in_fp32=bool(config.bf16), overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer)
     chunk = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     chunk.broadcast_params()
     config.finalize_model_grads_func = finalize_model_grads

@@ -35,7 +35,8 @@ _INT_KEYS = ("interval", "delta", "exit_code", "drill_at", "router_entropy_bins"
              "wq_norm_power_iters")
 _FLOAT_KEYS = ("alpha", "false_alarm_rate", "snapshot_max_device_share")
 _BOOL_KEYS = ("enabled", "full_matrix_dw", "strict", "per_head_scalars")
-_STR_KEYS = ("qk_method", "action", "snapshot_device", "log_dir", "detector_calibration", "full_matrix_method")
+_STR_KEYS = ("qk_method", "action", "snapshot_device", "log_dir", "detector_calibration", "full_matrix_method",
+             "weights")
 
 
 def read_ds_config(source: Union[str, os.PathLike, Mapping[str, Any]]) -> dict:
@@ -75,9 +76,13 @@ def parse_section(section: Mapping[str, Any]) -> MechmonConfig:
 
         extra["attention_mapping"] = parse_mapping(extra["attention_mapping"], f"{PREFIX}.attention_mapping")
     try:
-        return MechmonConfig(**kwargs, extra=extra)
+        config = MechmonConfig(**kwargs, extra=extra)
     except ValueError as exc:  # MechmonConfig names the flag; name the JSON key instead
         raise ValueError(_as_key_message(str(exc))) from None
+    if config.weights != "main":
+        raise ValueError(f"{PREFIX}.weights: the DeepSpeed adapter reads the FP32 master weights the optimizer "
+                         f"updates (safe_get_full_fp32_param); \"model\" is not supported, got {config.weights!r}")
+    return config
 
 
 def _typed(key: str, value: Any) -> Any:

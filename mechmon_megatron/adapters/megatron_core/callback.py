@@ -51,6 +51,7 @@ class MechmonCallback:
             host_tensorboard=getattr(ctx, "tensorboard_writer", None),
             tensorboard_dir=tensorboard_dir,
             writer_rank=self.writer_rank,
+            optimizer=getattr(ctx, "optimizer", None),
         )
         if self._pending_state:
             self.session.load_state_dict(self._pending_state)

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from mechmon_megatron.adapters.megatron_core.discovery import find_modules, unwrap
+from mechmon_megatron.adapters.megatron_core.main_params import weight_reader
 from mechmon_megatron.adapters.megatron_core.sites import attention_sites, router_sites
 from mechmon_megatron.session.config import MechmonConfig
 from mechmon_megatron.session.host import LocalCommunicator, TorchDistributedCommunicator
@@ -59,13 +60,16 @@ def build_mcore_session(
     tensorboard_dir: Optional[str] = None,
     writer_rank: int = -1,
     extra_writers: Sequence[ScalarWriter] = (),
+    optimizer: Any = None,
 ) -> MonitoringSession:
     """Discover attention layers and routers in ``model_chunks`` and attach a session.
 
     Call on every rank after the model is built (and wrapped in DDP). ``host_tensorboard`` is
     the host's ``SummaryWriter`` (Megatron creates it on the last rank only); ``writer_rank``
     is the global rank that writes (default: last, matching Megatron). ``extra_writers`` (e.g.
-    W&B) are used on the writer rank only.
+    W&B) are used on the writer rank only. ``optimizer``: the megatron-core optimizer, whose FP32
+    main parameters are read under ``--mechmon-weights main`` (without it: the model weights, with
+    a notice).
     """
     if not config.enabled:
         return MonitoringSession(config)
@@ -85,10 +89,22 @@ def build_mcore_session(
     else:
         tp_group, dp_rank, dp, tp_rank, reduce_group = None, 0, 1, 0, None
         comm = LocalCommunicator()
+    dp_group = _parallel_state().get_data_parallel_group(with_context_parallel=True) if distributed else None
+    notices: set[str] = set()
+
+    def weight_source(param: torch.nn.Parameter):
+        # Decided at start-up from the layout only, so every DP rank agrees on collective reads.
+        reader, _ = weight_reader(param, optimizer, dp_group, layer=names_of.get(id(param), ""),
+                                  setting=config.weights, notices=notices)
+        return reader
+
+    names_of = {id(item.module.linear_qkv.weight): f"layer {item.layer_number} ({item.name})"
+                for item in found_attention}
 
     holder: dict[str, MonitoringSession] = {}
     # Every rank lists its stage's layers: the work is spread over the DP x TP ranks (sites.py).
-    attn = attention_sites(found_attention, tp_group, config.full_matrix_dw, dp_rank=dp_rank, dp=dp)
+    attn = attention_sites(found_attention, tp_group, config.full_matrix_dw, dp_rank=dp_rank, dp=dp,
+                           weight_source=weight_source)
     routers = router_sites(
         found_routers,
         reduce_group,

@@ -149,13 +149,15 @@ def attention_sites(
     """One site per attention layer of this rank's stage; see the module docstring for who does what.
 
     ``weight_source``: what to read (default: the model weight); ``element_size``: bytes per
-    element of that read (default: the model weight's), for the snapshot budget.
+    element of that read (default: 4 for FP32 main parameters, else the model weight's), for the
+    snapshot budget.
     """
     sites = []
     for item in found:
         group = getattr(item.module, "tp_group", None) or tp_group
         reader = _AttentionReader(item, group, full_matrix, dp_rank, dp, weight_source)
-        size = element_size if element_size is not None else reader.weight.element_size()
+        main = getattr(reader.read_weight, "source", "model") == "main"
+        size = element_size if element_size is not None else (4 if main else reader.weight.element_size())
         sites.append(AttentionSite(item.layer_number, reader.read_heads, reader.read_full, item.name,
                                    snapshot_budget=reader.budget(size)))
     return sites

@@ -87,6 +87,8 @@ class MegatronLMHooks:
         self.session: Optional[MonitoringSession] = None
         self.abort_iteration: Optional[int] = None
         self.exit_code: Optional[int] = None
+        self.optimizer: Any = None
+        """Megatron's optimizer (from ``train_step``): its FP32 main parameters are what we read."""
 
     # -- lifecycle
     def ensure_session(
@@ -99,15 +101,15 @@ class MegatronLMHooks:
         self.config = config_from_args(args)
         if not self.config.enabled:
             return None
-        builder = self._session_builder or _default_builder
         wandb_run = self._get_wandb_writer()
-        session = builder(
-            self.config,
-            list(model_chunks),
-            host_tensorboard=self._get_tensorboard_writer(),
-            tensorboard_dir=getattr(args, "tensorboard_dir", None),
-            extra_writers=[WandbScalarWriter(wandb_run)] if wandb_run is not None else [],
-        )
+        common = dict(host_tensorboard=self._get_tensorboard_writer(),
+                      tensorboard_dir=getattr(args, "tensorboard_dir", None),
+                      extra_writers=[WandbScalarWriter(wandb_run)] if wandb_run is not None else [])
+        if self._session_builder is not None:
+            session = self._session_builder(self.config, list(model_chunks), **common)
+        else:
+            session = build_mcore_session(self.config, list(model_chunks), writer_rank=-1, optimizer=self.optimizer,
+                                          **common)
         self.session = session
         self._restore(args, start_iteration)
         session.on_train_start(start_iteration)
@@ -189,9 +191,4 @@ class MegatronLMHooks:
             self.session.close()
 
 
-def _default_builder(
-    config, model_chunks, host_tensorboard=None, tensorboard_dir=None, extra_writers=()
-) -> MonitoringSession:
-    return build_mcore_session(
-        config, model_chunks, host_tensorboard, tensorboard_dir, writer_rank=-1, extra_writers=extra_writers
-    )
+

@@ -62,6 +62,8 @@ def wrap_training_module(training: Any, hooks: MegatronLMHooks) -> None:
     @functools.wraps(original["train_step"])
     def train_step(*args, **kwargs):
         # train_step(forward_step_func, data_iterator, model, optimizer, ..., iteration=None)
+        if hooks.optimizer is None:
+            hooks.optimizer = kwargs.get("optimizer", args[3] if len(args) > 3 else None)
         hooks.before_step(_model_arg(args, kwargs, 2), _step_iteration(args, kwargs, hooks._get_args))
         try:
             return original["train_step"](*args, **kwargs)

@@ -244,6 +244,8 @@ def trainer_flags(scenario: Scenario, preset: Preset, seed: int, train_iters: in
         "--mechmon", "--mechmon-interval", str(preset.mechmon_interval),
         "--mechmon-delta", str(preset.mechmon_delta), "--mechmon-action", "log",
         "--mechmon-per-head-scalars",
+        # The study measures with the exact kernels, as its records and the shipped calibration were.
+        "--mechmon-full-matrix-method", "exact", "--mechmon-wq-norm-power-iters", "0",
     ]
     if scenario.router_lr == "high":
         flags += ["--router-lr-mult", repr(preset.router_lr_mult)]
