@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mechmon_megatron.monitors.update_spectrum import (
-    spectral_norm,
     per_head_update_singular_values,
+    spectral_norm,
     tail_energy,
     update_singular_values,
 )
