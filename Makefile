@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mechmon-installed
 PYTEST_ARGS ?=
 
-.PHONY: venv lint test test-slow demo bench clean
+.PHONY: venv lint test test-slow demo bench gpu-wheels clean
 
 $(STAMP): setup.py pyproject.toml tools/requirements/pinned-cpu.txt tools/bootstrap_venv.sh
 	bash tools/bootstrap_venv.sh $(VENV)
@@ -31,6 +31,11 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) tools/bench_monitors.py --hidden 4096 --num-heads 32 --head-dim 128 --json
+
+# The wheels tools/gpu_check.sh installs on a GPU machine without network (git-ignored .whl/,
+# carried to the device with the working tree).
+gpu-wheels:
+	bash tools/gpu_check/fetch_wheels.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -49,6 +49,9 @@ setup(
     extras_require=EXTRAS,
     data_files=_patch_files(),
     package_data={"mechmon_megatron.detect": ["null_tails.json"]},
-    entry_points={"console_scripts": ["mechmon-patch=mechmon_megatron.adapters.megatron_lm.patch_tool:main"]},
+    entry_points={"console_scripts": [
+        "mechmon-patch=mechmon_megatron.adapters.megatron_lm.patch_tool:main",
+        "mechmon-plan=mechmon_megatron.plan.cli:main",
+    ]},
     license="Apache-2.0",
 )

@@ -10,12 +10,14 @@ Every ``import`` statement counts, including those inside functions (lazy import
   ``megatron_lm`` -> the public entry point of ``megatron_core`` (Megatron-LM trains
   megatron-core models); the DeepSpeed adapter never imports megatron, the megatron adapters never
   import deepspeed;
-* the product (everything but ``research`` and ``testing``) never imports ``research`` or ``testing``.
+* the product (everything but ``research`` and ``testing``) never imports ``research`` or ``testing``;
+* ``plan`` (the planner): the core, the session, itself, torch and the standard library only.
 """
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -88,7 +90,8 @@ PRODUCT = [f for f in _files() if not _under(_module_name(f), _own("research"), 
 
 
 def test_the_tree_has_the_layers_this_test_knows():
-    for sub in ("monitors", "detect", "session", "cli", "research", "testing", *(f"adapters/{a}" for a in ADAPTERS)):
+    for sub in ("monitors", "detect", "session", "cli", "plan", "research", "testing",
+                *(f"adapters/{a}" for a in ADAPTERS)):
         assert (PACKAGE / sub / "__init__.py").is_file(), sub
     assert {p.name for p in (PACKAGE / "adapters").iterdir() if p.is_dir() and p.name != "__pycache__"} == set(ADAPTERS)
 
@@ -128,6 +131,19 @@ def test_no_adapter_imports_another(adapter):
         return _under(name, *foreign_host) or (_under(name, *others) and name not in allowed)
 
     bad = _violations(_files(f"adapters/{adapter}"), forbidden)
+    assert not bad, bad
+
+
+def test_plan_imports_core_session_torch_and_stdlib_only():
+    own = (_own("monitors"), _own("detect"), _own("session"), _own("plan"))
+
+    def forbidden(f: Path, name: str) -> bool:
+        if _under(name, PKG):
+            return not _under(name, *own)
+        top = name.split(".")[0]
+        return top != "torch" and top not in sys.stdlib_module_names
+
+    bad = _violations(_files("plan"), forbidden)
     assert not bad, bad
 
 

@@ -318,8 +318,9 @@ class MonitoringSession:
         failed = local is FAILED
         if failed:
             local = empty_vector(router, cfg.router_entropy_bins)
-        marked = torch.cat([local.reshape(-1).to(torch.float64).cpu(),
-                            torch.tensor([1.0 if failed else 0.0], dtype=torch.float64)])
+        marked = log.run("router", layer, iteration, _with_failure_mark, local, failed)
+        if marked is FAILED:  # never skip the all-reduce: the peers are already on their way to it
+            marked = _with_failure_mark(empty_vector(router, cfg.router_entropy_bins), True)
         total = router.reduce_sum(marked)
         if float(total[-1]) > 0:
             if not failed:
@@ -447,6 +448,12 @@ class MonitoringSession:
             self.alerts.append(alert)
             self.failures.run("write", None, iteration, self._write, {names.ALARM: 1.0}, iteration)
         return Decision(iteration, alarm=True, alerts=[alert])
+
+
+def _with_failure_mark(vector: torch.Tensor, failed: bool) -> torch.Tensor:
+    """``vector`` (fp64, where it lives) with one more element: 1 when this rank's summary failed."""
+    mark = torch.tensor([1.0 if failed else 0.0], dtype=torch.float64, device=vector.device)
+    return torch.cat([vector.reshape(-1).to(torch.float64), mark])
 
 
 def _drill_alert(iteration: int) -> Alert:
