@@ -68,6 +68,7 @@ def qk_increment_singular_values(
     wq_now: Tensor,
     wk_now: Tensor,
     method: QKMethod = "compressed",
+    assume_finite: bool = False,
 ) -> dict[str, Tensor]:
     """Per-head singular values of the QK increments ``Delta1``, ``Delta2``, ``Delta3``.
 
@@ -79,6 +80,8 @@ def qk_increment_singular_values(
         method: ``"gram"`` (fastest: batched fp64 Gram products + Cholesky, ``eigh`` fallback),
             ``"compressed"`` (batched thin QR of the ``d x 2h_d`` factors; the accurate fast path)
             or ``"dense"`` (reference: builds the ``d x d`` matrices head by head; for tests).
+        assume_finite: skip the NaN/Inf check (a pass over every input and a host sync) when the
+            caller has already checked (the session checks once per layer).
 
     Returns:
         ``{"delta1", "delta2", "delta3"}``, each a float64 ``[num_heads, k]`` tensor of singular
@@ -94,7 +97,7 @@ def qk_increment_singular_values(
     """
     if method not in QK_METHODS:
         raise ValueError(f"method must be one of {QK_METHODS}, got {method!r}.")
-    num_heads, num_groups, head_dim, hidden = _check_qk_inputs(wq_prev, wk_prev, wq_now, wk_now)
+    num_heads, num_groups, head_dim, hidden = _check_qk_inputs(wq_prev, wk_prev, wq_now, wk_now, assume_finite)
     k = min(hidden, 2 * head_dim)
     heads_per_group = num_heads // num_groups
     group_of_head = torch.arange(num_heads, device=wq_prev.device) // heads_per_group
@@ -117,7 +120,9 @@ def qk_increment_singular_values(
     )
 
 
-def _check_qk_inputs(wq_prev: Tensor, wk_prev: Tensor, wq_now: Tensor, wk_now: Tensor) -> tuple[int, int, int, int]:
+def _check_qk_inputs(
+    wq_prev: Tensor, wk_prev: Tensor, wq_now: Tensor, wk_now: Tensor, assume_finite: bool = False
+) -> tuple[int, int, int, int]:
     """Validate shapes, dtypes, devices and finiteness; return (heads, groups, head_dim, hidden)."""
     for name, w in (("wq_prev", wq_prev), ("wk_prev", wk_prev), ("wq_now", wq_now), ("wk_now", wk_now)):
         check_floating(name, w, ndim=3)
@@ -138,7 +143,8 @@ def _check_qk_inputs(wq_prev: Tensor, wk_prev: Tensor, wq_now: Tensor, wk_now: T
             f"num_heads (wq_prev.shape[0] = {num_heads}) must be divisible by num_groups "
             f"(wk_prev.shape[0] = {num_groups}) for GQA/MQA."
         )
-    check_finite([("wq_prev", wq_prev), ("wk_prev", wk_prev), ("wq_now", wq_now), ("wk_now", wk_now)])
+    if not assume_finite:
+        check_finite([("wq_prev", wq_prev), ("wk_prev", wk_prev), ("wq_now", wq_now), ("wk_now", wk_now)])
     return num_heads, num_groups, head_dim, hidden
 
 

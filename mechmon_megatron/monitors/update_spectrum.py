@@ -28,7 +28,9 @@ UpdateMethod = Literal["exact", "randomized"]
 _DEFAULT_SEED = 0
 
 
-def _increment(name_prev: str, w_prev: Tensor, name_now: str, w_now: Tensor, ndim: int | None) -> Tensor:
+def _increment(
+    name_prev: str, w_prev: Tensor, name_now: str, w_now: Tensor, ndim: int | None, assume_finite: bool = False
+) -> Tensor:
     """Validate a prev/now pair and return ``dW`` in float64."""
     if ndim is None:
         check_floating(name_prev, w_prev, min_ndim=2)
@@ -38,17 +40,19 @@ def _increment(name_prev: str, w_prev: Tensor, name_now: str, w_now: Tensor, ndi
     check_same_shape(name_prev, w_prev, name_now, w_now)
     if w_prev.shape[-1] == 0 or w_prev.shape[-2] == 0:
         raise ValueError(f"{name_prev} must have non-empty matrix dims, got shape {tuple(w_prev.shape)}.")
-    check_finite([(name_prev, w_prev), (name_now, w_now)])
+    if not assume_finite:
+        check_finite([(name_prev, w_prev), (name_now, w_now)])
     return w_now.to(torch.float64) - w_prev.to(torch.float64)
 
 
-def per_head_update_singular_values(w_prev: Tensor, w_now: Tensor) -> Tensor:
+def per_head_update_singular_values(w_prev: Tensor, w_now: Tensor, assume_finite: bool = False) -> Tensor:
     """Singular values of each head's increment ``dW[h] = w_now[h] - w_prev[h]``.
 
     Args:
         w_prev: ``[heads, head_dim, hidden]`` weights at ``t - delta`` (Megatron rows; the spectrum
             of a matrix and of its transpose are the same, so the layout does not matter).
         w_now: same shape, at step ``t``.
+        assume_finite: skip the NaN/Inf check when the caller has made it.
 
     Returns:
         float64 ``[heads, min(head_dim, hidden)]``, descending, same unit as the weights.
@@ -62,7 +66,7 @@ def per_head_update_singular_values(w_prev: Tensor, w_now: Tensor) -> Tensor:
     faster on CPU but squares the condition number (values below ~1e-8 of the largest lose all
     digits, ~1e-4 relative error at 1e-6); see docs/PERFORMANCE.md.
     """
-    dw = _increment("w_prev", w_prev, "w_now", w_now, ndim=3)
+    dw = _increment("w_prev", w_prev, "w_now", w_now, ndim=3, assume_finite=assume_finite)
     return torch.linalg.svdvals(dw)
 
 
@@ -74,6 +78,7 @@ def update_singular_values(
     oversample: int = 10,
     power_iters: int = 2,
     generator: torch.Generator | None = None,
+    assume_finite: bool = False,
 ) -> dict[str, Tensor]:
     """Singular values of a full-matrix increment ``dW = w_now - w_prev`` (``[..., m, n]``).
 
@@ -88,6 +93,7 @@ def update_singular_values(
             spectra at the cost of two passes over ``dW``.
         generator: ``torch.Generator`` on ``w_prev.device`` for the Gaussian sketch. ``None`` uses a
             private generator seeded with 0 (reproducible; the global RNG is never touched).
+        assume_finite: skip the NaN/Inf check when the caller has made it.
 
     Returns:
         dict of float64 tensors: ``singular_values`` ``[..., rank]`` (descending; ``rank`` capped at
@@ -122,7 +128,7 @@ def update_singular_values(
         raise ValueError(f"oversample must be an int >= 0, got {oversample!r}.")
     if isinstance(power_iters, bool) or not isinstance(power_iters, int) or power_iters < 0:
         raise ValueError(f"power_iters must be an int >= 0, got {power_iters!r}.")
-    dw = _increment("w_prev", w_prev, "w_now", w_now, ndim=None)
+    dw = _increment("w_prev", w_prev, "w_now", w_now, ndim=None, assume_finite=assume_finite)
     m, n = dw.shape[-2:]
     fro = torch.linalg.matrix_norm(dw, ord="fro")
     keep = min(m, n) if rank is None else min(rank, m, n)

@@ -44,7 +44,8 @@ def _copy(t: torch.Tensor, device: Optional[torch.device]) -> torch.Tensor:
 
 
 def _finite(*tensors: torch.Tensor) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
+    """All finite, read back in one host sync (the kernels below then skip their own checks)."""
+    return bool(torch.stack([torch.isfinite(t).all().to(tensors[0].device) for t in tensors]).all())
 
 
 def check_heads(
@@ -56,13 +57,13 @@ def check_heads(
     per_head_scalars: bool,
 ) -> CheckOutput:
     """Delta1/2/3 and per-head dW spectra for the heads one rank reports."""
-    if not _finite(now.wq, now.wk):
-        return CheckOutput(nonfinite=[NonFinite(layer_number, f"layer {layer_number}: non-finite Q/K weights")])
     wq_prev, wk_prev = prev.wq.to(now.wq.device), prev.wk.to(now.wk.device)
-    spectra = qk_increment_singular_values(wq_prev, wk_prev, now.wq, now.wk, method=method)
+    if not _finite(now.wq, now.wk, wq_prev, wk_prev):
+        return CheckOutput(nonfinite=[NonFinite(layer_number, f"layer {layer_number}: non-finite Q/K weights")])
+    spectra = qk_increment_singular_values(wq_prev, wk_prev, now.wq, now.wk, method=method, assume_finite=True)
     stats = {key: spectral_stats(values, alpha=alpha) for key, values in spectra.items()}
-    dwq = spectral_stats(per_head_update_singular_values(wq_prev, now.wq), alpha=alpha)
-    dwk = spectral_stats(per_head_update_singular_values(wk_prev, now.wk), alpha=alpha)
+    dwq = spectral_stats(per_head_update_singular_values(wq_prev, now.wq, assume_finite=True), alpha=alpha)
+    dwk = spectral_stats(per_head_update_singular_values(wk_prev, now.wk, assume_finite=True), alpha=alpha)
 
     d2 = stats["delta2"]
     heads = [now.head_offset + i for i in range(now.wq.shape[0])]
@@ -118,11 +119,12 @@ def check_full(
     ``update_singular_values``; the whole spectrum up to round-off when ``rank >= min(m, n)``);
     ``"exact"`` the whole fp64 spectrum. ``||W_q||_2`` by ``norm_iters`` power iterations (0: SVD).
     """
-    if not _finite(now.wq, now.wk):
+    wq_prev, wk_prev = prev.wq.to(now.wq.device), prev.wk.to(now.wk.device)
+    if not _finite(now.wq, now.wk, wq_prev, wk_prev):
         return CheckOutput(nonfinite=[NonFinite(layer_number, f"layer {layer_number}: non-finite Q/K weights")])
     kwargs = {"method": "randomized", "rank": rank} if method == "randomized" else {"method": "exact"}
-    dq = update_singular_values(prev.wq.to(now.wq.device), now.wq, **kwargs)
-    dk = update_singular_values(prev.wk.to(now.wk.device), now.wk, **kwargs)
+    dq = update_singular_values(wq_prev, now.wq, assume_finite=True, **kwargs)
+    dk = update_singular_values(wk_prev, now.wk, assume_finite=True, **kwargs)
     sq = spectral_stats(dq["singular_values"], alpha=alpha)
     sk = spectral_stats(dk["singular_values"], alpha=alpha)
     wq_norm = spectral_norm(now.wq, power_iters=norm_iters)

@@ -231,3 +231,18 @@ def test_non_finite_inputs_name_the_input(index, name, bad):
     weights[index][0, 0, 0] = bad
     with pytest.raises(ValueError, match=rf"{name} contains 1 non-finite .*non-finite weights"):
         qk_increment_singular_values(*weights, method="gram")
+
+
+def test_assume_finite_skips_only_the_nan_check():
+    """The session checks finiteness once per layer and tells the kernels (one host sync less each)."""
+    g = torch.Generator().manual_seed(5)
+    wq0, wk0 = torch.randn(4, 8, 32, generator=g), torch.randn(2, 8, 32, generator=g)
+    wq1, wk1 = wq0 + 0.01 * torch.randn(4, 8, 32, generator=g), wk0 + 0.01 * torch.randn(2, 8, 32, generator=g)
+    checked = qk_increment_singular_values(wq0, wk0, wq1, wk1, method="gram")
+    trusted = qk_increment_singular_values(wq0, wk0, wq1, wk1, method="gram", assume_finite=True)
+    for key in checked:
+        assert torch.equal(checked[key], trusted[key])
+    bad = wq1.clone()
+    bad[0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        qk_increment_singular_values(wq0, wk0, bad, wk1, method="gram")
