@@ -47,7 +47,7 @@ SPECTRAL_STAT_KEYS = (
 )
 
 
-def spectral_stats(singular_values: Tensor, alpha: float = 2.0) -> dict[str, Tensor]:
+def spectral_stats(singular_values: Tensor, alpha: float = 2.0, trusted: bool = False) -> dict[str, Tensor]:
     """Entropy-based statistics of one or many singular-value spectra.
 
     Args:
@@ -55,6 +55,8 @@ def spectral_stats(singular_values: Tensor, alpha: float = 2.0) -> dict[str, Ten
             dtype, upcast to float64 for the math). Leading dims are a batch (e.g. heads).
         alpha: exponent of the spectral distribution ``p_i ~ s_i^alpha``; any finite
             ``alpha > 0``. 2 = energy-normalised (default), 1 = Roy-Vetterli.
+        trusted: the values come from an SVD (non-negative by construction): skip the sign check,
+            which costs a host sync on an accelerator.
 
     Returns:
         dict with float64 tensors ``entropy`` (nats), ``normalized_entropy`` (in [0, 1]),
@@ -85,7 +87,7 @@ def spectral_stats(singular_values: Tensor, alpha: float = 2.0) -> dict[str, Ten
 
     finite = torch.isfinite(s).all(dim=-1)
     s = torch.where(finite.unsqueeze(-1), s, torch.zeros_like(s))  # scrub before any arithmetic
-    if bool((s < 0).any()):  # one host sync; a negative singular value is a caller bug
+    if not trusted and bool((s < 0).any()):  # one host sync; a negative singular value is a caller bug
         raise ValueError(
             f"singular_values must be non-negative, got min {float(s.min()):.3e}; pass singular values "
             "(torch.linalg.svdvals), not eigenvalues."

@@ -61,9 +61,10 @@ def check_heads(
     if not _finite(now.wq, now.wk, wq_prev, wk_prev):
         return CheckOutput(nonfinite=[NonFinite(layer_number, f"layer {layer_number}: non-finite Q/K weights")])
     spectra = qk_increment_singular_values(wq_prev, wk_prev, now.wq, now.wk, method=method, assume_finite=True)
-    stats = {key: spectral_stats(values, alpha=alpha) for key, values in spectra.items()}
-    dwq = spectral_stats(per_head_update_singular_values(wq_prev, now.wq, assume_finite=True), alpha=alpha)
-    dwk = spectral_stats(per_head_update_singular_values(wk_prev, now.wk, assume_finite=True), alpha=alpha)
+    # Singular values from the kernels are non-negative by construction (trusted: no sign check).
+    stats = {key: spectral_stats(values, alpha=alpha, trusted=True) for key, values in spectra.items()}
+    dwq = spectral_stats(per_head_update_singular_values(wq_prev, now.wq, assume_finite=True), alpha, trusted=True)
+    dwk = spectral_stats(per_head_update_singular_values(wk_prev, now.wk, assume_finite=True), alpha, trusted=True)
 
     d2 = stats["delta2"]
     heads = [now.head_offset + i for i in range(now.wq.shape[0])]
@@ -125,8 +126,8 @@ def check_full(
     kwargs = {"method": "randomized", "rank": rank} if method == "randomized" else {"method": "exact"}
     dq = update_singular_values(wq_prev, now.wq, assume_finite=True, **kwargs)
     dk = update_singular_values(wk_prev, now.wk, assume_finite=True, **kwargs)
-    sq = spectral_stats(dq["singular_values"], alpha=alpha)
-    sk = spectral_stats(dk["singular_values"], alpha=alpha)
+    sq = spectral_stats(dq["singular_values"], alpha=alpha, trusted=True)
+    sk = spectral_stats(dk["singular_values"], alpha=alpha, trusted=True)
     wq_norm = spectral_norm(now.wq, power_iters=norm_iters)
     # One transfer to the host for the whole layer.
     hq, hk, stable, fro, norm, valid_q, valid_k = torch.stack([
