@@ -38,6 +38,7 @@ from mechmon_megatron.monitors.update_spectrum import (
     per_head_update_singular_values,
     update_singular_values,
 )
+from mechmon_megatron.plan.report import cpu_name
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 FAST_METHODS = ("gram", "compressed")
@@ -130,15 +131,6 @@ def fp32_gram_error(wq_prev, wk_prev, wq_now, wk_now, ref) -> float:
     return max_rel_err(out, ref)
 
 
-def machine_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -210,7 +202,7 @@ def run(args: argparse.Namespace) -> dict:
         "torch_version": torch.__version__,
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
-        "machine": machine_name(),
+        "machine": cpu_name(),
         "python": platform.python_version(),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
     }

@@ -375,7 +375,7 @@ def build_report(shape: ModelShape, layout: ParallelLayout, opts: PlanOptions) -
         ],
         "environment": {
             "torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
-            "machine": _cpu_name(), "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+            "machine": cpu_name(), "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
         },
     }
     report["planner_wall_s"] = time.perf_counter() - start
@@ -385,10 +385,10 @@ def build_report(shape: ModelShape, layout: ParallelLayout, opts: PlanOptions) -
 def _device_name(device: str) -> str:
     if device == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_name()
-    return _cpu_name()
+    return cpu_name()
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
