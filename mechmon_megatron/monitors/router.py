@@ -4,10 +4,18 @@ Mechanism (docs/METHOD.md section 6): a "stable winner" feedback loop collapses 
 The full-softmax routing entropy falls, and the router weight rows become more similar, before
 discrete signals (top-k counts, load imbalance) change.
 
+The routing entropy is that of the router's score distribution over ALL experts, for the score
+function in use (``SCORE_FUNCTIONS``): ``softmax`` gives ``p = softmax(z)``; a positive
+elementwise score ``s(z)`` (``sigmoid``, megatron-core's ``sqrtsoftplus``) gives the normalised
+scores ``p_e = s(z_e) / sum_j s(z_j)``, the distribution megatron-core itself builds from those
+scores for its load-balancing loss. An expert bias (aux-loss-free balancing) is not part of ``z``:
+it moves the selection, not the scores, and shows in the routing map's load statistics.
+
 Naming convention (as in megatron-core ``router.py``):
 
 - ``logits``: raw router outputs, ``[..., num_experts]`` (usually ``[num_tokens, num_experts]``).
-- ``routing_map``: boolean top-k assignment, ``[num_tokens, num_experts]``.
+- ``routing_map``: boolean assignment, ``[num_tokens, num_experts]``: the router's own (after an
+  expert bias, group-limited selection and capacity dropping), or the top-k of the logits.
 - ``weight``: router weight, ``[num_experts, hidden]``; row ``w_i`` belongs to expert ``i``.
 - ``counts``: tokens routed to each expert, ``[num_experts]``.
 
@@ -32,7 +40,9 @@ from torch import Tensor
 
 __all__ = [
     "DEFAULT_ENTROPY_BINS",
+    "SCORE_FUNCTIONS",
     "RouterEntropySummary",
+    "check_score_function",
     "expert_load",
     "load_fractions",
     "max_violation",
@@ -45,6 +55,10 @@ __all__ = [
 DEFAULT_ENTROPY_BINS = 512
 """Histogram bins over ``[0, log E]``; quantile error is at most ``log(E) / num_bins`` nats."""
 
+SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
+"""Router score functions whose routing entropy is defined (megatron-core's
+``moe_router_score_function``; ``sqrtsoftplus`` is ``sqrt(softplus(z))``, megatron-core >= 0.19)."""
+
 
 def _compute_dtype(x: Tensor) -> torch.dtype:
     # fp64 inputs keep their precision; everything narrower (bf16, fp16, fp32) runs in fp32,
@@ -52,26 +66,59 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def routing_entropy(logits: Tensor) -> Tensor:
-    """Per-token entropy of the full router softmax, in nats.
+def check_score_function(score_function: str) -> str:
+    """``score_function`` if its routing entropy is defined, else ``ValueError`` naming the choices."""
+    if score_function not in SCORE_FUNCTIONS:
+        raise ValueError(
+            f"router score function {score_function!r} has no routing entropy in mechmon; "
+            f"supported: {', '.join(SCORE_FUNCTIONS)}"
+        )
+    return score_function
 
-    H_t = -sum_e p_te log p_te with p_t = softmax(logits_t) over ALL ``E`` experts (not the
-    top-k subset). Computed from ``log_softmax`` so that huge logits stay exact: one logit
-    ``1e4`` above the rest gives 0, ``E`` equal logits of any magnitude give ``log E``.
+
+def _log_scores(z: Tensor, score_function: str) -> Tensor:
+    """``u`` with ``softmax(u) = p``: the log of the (unnormalised) positive score of each expert.
+
+    softmax: ``u = z``. sigmoid: ``u = log sigma(z) = logsigmoid(z)`` (exact for large ``|z|``).
+    sqrtsoftplus: ``u = log(softplus(z)) / 2``. A ``+inf`` logit has a finite sigmoid score; it is
+    mapped to NaN so that every score function flags the token as non-finite, as softmax does.
+    """
+    if score_function == "softmax":
+        return z
+    if score_function == "sigmoid":
+        u = torch.nn.functional.logsigmoid(z)
+    elif score_function == "sqrtsoftplus":
+        u = 0.5 * torch.log(torch.nn.functional.softplus(z))
+    else:
+        raise ValueError(f"unknown router score function {score_function!r} (supported: {SCORE_FUNCTIONS})")
+    return torch.where(torch.isposinf(z), torch.full_like(u, math.nan), u)
+
+
+def routing_entropy(logits: Tensor, score_function: str = "softmax") -> Tensor:
+    """Per-token entropy of the router's score distribution over ALL experts, in nats.
+
+    H_t = -sum_e p_te log p_te over all ``E`` experts (not the top-k subset), with
+    ``p_t = softmax(logits_t)`` for a softmax router and the normalised scores
+    ``p_te = s(z_te) / sum_j s(z_tj)`` for a positive score function ``s`` (``sigmoid``,
+    ``sqrtsoftplus``). Computed as the entropy of ``softmax(u)`` with ``u = log s(z)``
+    (``log_softmax``), so that huge logits stay exact: one softmax logit ``1e4`` above the rest
+    gives 0, ``E`` equal logits of any magnitude give ``log E``.
 
     Args:
         logits: ``[..., num_experts]``, any floating dtype (bf16/fp16 are upcast to fp32).
+        score_function: one of :data:`SCORE_FUNCTIONS`.
 
     Returns:
         ``[...]`` entropies in nats, fp32 (fp64 for fp64 input), on ``logits.device``. A token
         with a NaN or ``+inf`` logit gets NaN (flagged, see the module docstring); ``-inf``
-        logits are masked experts with probability 0.
+        logits are masked experts with probability 0 (every score function maps them to 0).
     """
     if not logits.is_floating_point():
         raise ValueError(f"routing_entropy expects floating-point logits, got {logits.dtype}.")
     if logits.dim() == 0 or logits.shape[-1] < 1:
         raise ValueError("routing_entropy expects logits of shape [..., num_experts] with num_experts >= 1.")
-    logp = torch.log_softmax(logits.to(_compute_dtype(logits)), dim=-1)
+    check_score_function(score_function)
+    logp = torch.log_softmax(_log_scores(logits.to(_compute_dtype(logits)), score_function), dim=-1)
     p = logp.exp()
     # A masked expert (-inf logit) has p = 0 and logp = -inf; 0 * -inf would be NaN, but its
     # contribution to the entropy is 0 by continuity. NaN logp (a NaN row) must stay NaN.
@@ -295,8 +342,10 @@ class RouterEntropySummary:
         [0, 1]), ``token_entropy_p01`` / ``_p05`` / ``_p10`` (nats; histogram quantiles, within
         one bin width ``log(E)/num_bins`` of the exact order statistic
         ``torch.quantile(..., interpolation="lower")``), ``max_vio``, ``load_fraction_min``,
-        ``load_fraction_max``, ``num_tokens``, ``num_nonfinite_tokens``. Entropy values are NaN
-        when there are no finite tokens; load values are NaN when no token was routed.
+        ``load_fraction_max``, ``num_tokens``, ``num_nonfinite_tokens``, ``assignments_per_token``
+        (``sum_e c_e / num_tokens``: top-k without dropping, less when a capacity dropped
+        assignments). Entropy values are NaN when there are no finite tokens; load values are NaN
+        when no token was routed.
         """
         values = self.to_flat_tensor().tolist()
         s = self._NUM_SCALARS
@@ -318,6 +367,7 @@ class RouterEntropySummary:
             "load_fraction_max": max(counts) / total if total > 0 else math.nan,
             "num_tokens": n,
             "num_nonfinite_tokens": nonfinite,
+            "assignments_per_token": total / n if n > 0 else math.nan,
         }
 
 
@@ -344,6 +394,7 @@ def summarize_routing(
     topk: int,
     num_bins: int = DEFAULT_ENTROPY_BINS,
     routing_map: Tensor | None = None,
+    score_function: str = "softmax",
 ) -> RouterEntropySummary:
     """Build the reducible summary of one router's logits for one micro-batch.
 
@@ -351,8 +402,12 @@ def summarize_routing(
         logits: ``[..., num_experts]`` router logits, any floating dtype.
         topk: experts per token, used for ``expert_counts`` when ``routing_map`` is None.
         num_bins: entropy histogram bins over ``[0, log E]``; quantile error <= log(E)/num_bins.
-        routing_map: optional bool ``[..., num_experts]`` actual assignment; when given, the
-            expert counts come from it (tokens with non-finite logits are still excluded).
+        routing_map: optional bool actual assignment with one row of ``num_experts`` per token of
+            ``logits`` (``[..., num_experts]`` or megatron-core's flattened ``[tokens,
+            num_experts]``); when given, the expert counts come from it (tokens with non-finite
+            logits are still excluded).
+        score_function: the router's score function (:data:`SCORE_FUNCTIONS`), which defines
+            the routing entropy (:func:`routing_entropy`).
 
     Returns:
         :class:`RouterEntropySummary` with fp64 tensors on ``logits.device``; no host sync.
@@ -363,7 +418,7 @@ def summarize_routing(
     if num_bins < 1:
         raise ValueError(f"num_bins must be >= 1, got {num_bins}.")
     flat_logits = logits.reshape(-1, num_experts)
-    entropy = routing_entropy(flat_logits)
+    entropy = routing_entropy(flat_logits, score_function)
     finite = torch.isfinite(entropy)
     log_e = math.log(num_experts)
     # Bin index of each token; rounding can put H a hair outside [0, log E], hence the clamp.
@@ -372,10 +427,16 @@ def summarize_routing(
     idx = torch.where(finite, idx, torch.full_like(idx, num_bins)).to(torch.int64)
     histogram = _fixed_bincount(idx, num_bins + 1)[:num_bins].to(torch.float64)
     if routing_map is not None:
-        if routing_map.dtype != torch.bool or routing_map.shape != logits.shape:
+        # Shapes are host metadata: checking them costs no sync.
+        if (
+            routing_map.dtype != torch.bool
+            or routing_map.dim() == 0
+            or routing_map.shape[-1] != num_experts
+            or routing_map.numel() != logits.numel()
+        ):
             raise ValueError(
-                f"routing_map must be a bool tensor shaped like logits {tuple(logits.shape)}, "
-                f"got {routing_map.dtype} {tuple(routing_map.shape)}."
+                f"routing_map must be a bool tensor with one row of {num_experts} experts per token of the "
+                f"logits {tuple(logits.shape)}, got {routing_map.dtype} {tuple(routing_map.shape)}."
             )
         counts = (routing_map.reshape(-1, num_experts) & finite[:, None]).sum(dim=0, dtype=torch.int64)
     else:

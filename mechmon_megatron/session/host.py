@@ -93,10 +93,11 @@ class RouterSite:
     (data parallel, plus tensor parallel under sequence parallelism); every rank listing the site
     calls it. ``reports`` is True on exactly one of those ranks.
 
-    On check steps the adapter's forward hook passes each micro-batch's logits to
-    :meth:`capture`, which reduces them at once to a flat fp64 summary (entropy sum, entropy
-    histogram, expert counts) added into ``summary`` on the logits' device: no logits are kept
-    and nothing is read back to the host during the forward.
+    On check steps the adapter's hook passes each micro-batch's logits, and the router's own
+    routing map where the host exposes it, to :meth:`capture`, which reduces them at once to a
+    flat fp64 summary (entropy sum, entropy histogram, expert counts) added into ``summary`` on
+    the logits' device: no logits are kept and nothing is read back to the host during the
+    forward.
     """
 
     layer_number: int
@@ -113,17 +114,25 @@ class RouterSite:
     micro_batches: int = 0
     capture_error: Optional[BaseException] = None
     """The first exception raised while summarising (reported by the session at the check)."""
+    score_function: str = "softmax"
+    """The router's score function (``monitors.router.SCORE_FUNCTIONS``): defines the entropy."""
+    drops_tokens: bool = False
+    """The router drops assignments beyond an expert capacity (the check reports the dropped share)."""
 
-    def capture(self, logits: torch.Tensor) -> None:
+    def capture(self, logits: torch.Tensor, routing_map: Optional[torch.Tensor] = None) -> None:
         """Add one micro-batch's router logits ``[..., num_experts]`` to the running summary.
 
-        Runs inside the host's forward: it never raises (a failure is kept for the check, which
-        counts it) and never synchronises with the host.
+        ``routing_map``: the router's actual bool assignment (one row per token; after an expert
+        bias, group-limited selection, capacity dropping); without it the expert counts are the
+        top-k of the logits. Runs inside the host's forward: it never raises (a failure is kept
+        for the check, which counts it) and never synchronises with the host.
         """
         if self.capture_error is not None:
             return
         try:
-            flat = summarize_routing(logits.detach(), self.topk, num_bins=self.num_bins).to_flat_tensor()
+            routed = None if routing_map is None else routing_map.detach()
+            flat = summarize_routing(logits.detach(), self.topk, num_bins=self.num_bins, routing_map=routed,
+                                     score_function=self.score_function).to_flat_tensor()
             self.summary = flat if self.summary is None else self.summary + flat
             self.micro_batches += 1
         except Exception as exc:  # noqa: BLE001 -- never kill the training forward

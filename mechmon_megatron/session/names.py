@@ -19,7 +19,8 @@ Attention (family ``attn``), per layer:
     mechmon/attn/wq_spectral_norm/layer_L      largest singular value of the layer's W_q (now)
     (with per_head_scalars) mechmon/attn/delta2_entropy/layer_L/head_H
 Router (family ``router``), per MoE layer:
-    mechmon/router/token_entropy/layer_L       mean full-softmax routing entropy per token (nats)
+    mechmon/router/token_entropy/layer_L       mean routing entropy per token over all experts (nats;
+                                               full softmax, or normalised sigmoid scores)
     mechmon/router/token_entropy_norm/layer_L  the same divided by log E
     mechmon/router/token_entropy_p05/layer_L   5 % quantile over tokens (p01, p10 likewise)
     mechmon/router/effective_experts/layer_L   exp(token_entropy): effective experts per token
@@ -28,7 +29,9 @@ Router (family ``router``), per MoE layer:
                                                absent when the floor is off
     mechmon/router/weight_similarity/layer_L   mean off-diagonal cosine similarity S of router rows
     mechmon/router/eps/layer_L                 conditioning ratio max_i ||w_i - w_bar|| / ||w_bar||
-    mechmon/router/max_vio/layer_L             max expert load / mean load - 1 (top-k counts)
+    mechmon/router/max_vio/layer_L             max expert load / mean load - 1 (routing-map counts)
+    mechmon/router/dropped_fraction/layer_L    share of token-expert assignments dropped by the
+                                               expert capacity (routers with a capacity factor)
     mechmon/router/load_fraction_min/layer_L, mechmon/router/load_fraction_max/layer_L
 Detector (per check; family F in attn_delta2, attn_dw, router_entropy, router_weights):
     mechmon/detect/F/residual/layer_L      pooled standardised residual u_L (trimmed mean over heads)

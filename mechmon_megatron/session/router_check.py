@@ -1,4 +1,9 @@
-"""One MoE router's check: full-softmax routing entropy, load, and router-weight geometry.
+"""One MoE router's check: routing entropy, load, and router-weight geometry.
+
+The routing entropy is that of the router's score distribution over all experts (softmax, or the
+normalised scores of a sigmoid router; ``monitors.router.routing_entropy``); the load comes from
+the router's own routing map (after an expert bias, group-limited selection and capacity
+dropping) where the adapter captures it.
 
 The routing-entropy stream carries an absolute floor besides its baseline-relative band:
 ``log(m)`` nats, where ``m`` is the minimum effective number of experts per token
@@ -8,6 +13,10 @@ the signature of the stable-winner loop (docs/METHOD.md section 6). The floor st
 while there is none (``detect.baseline_relative``): it catches a collapse that starts with
 training, which the warm-up would otherwise absorb; a healthy router that forms its baseline and
 later sharpens slowly is judged against that baseline only.
+
+The floor is argued for softmax routers only, so routers with another score function (sigmoid:
+aux-loss-free, DeepSeek-V3 style) have none, whatever the setting; the adapter says so once at
+start-up (``NON_SOFTMAX_FLOOR_NOTICE``) and their entropy is judged against its baseline.
 """
 
 from __future__ import annotations
@@ -28,6 +37,19 @@ from mechmon_megatron.session.records import CheckOutput, NonFinite, Partial, St
 
 ROUTER_ENTROPY = "router_entropy"
 ROUTER_WEIGHTS = "router_weights"
+
+NON_SOFTMAX_FLOOR_NOTICE = (
+    "[mechmon] MoE routers with the {score} score function (layers {layers}): the routing entropy is that of "
+    "the normalised scores p_e = s(z_e) / sum_j s(z_j) (expert bias excluded; docs/METHOD.md section 6), and "
+    "the absolute routing-entropy floor (--mechmon-router-min-effective-experts) is off for them: it is "
+    "argued for softmax routers only. Their entropy is judged against its own baseline."
+)
+"""Logged once at start-up by the adapter that builds non-softmax router sites."""
+
+
+def entropy_floor_applies(site: RouterSite) -> bool:
+    """Whether the absolute routing-entropy floor is defined for this router (softmax only)."""
+    return site.score_function == "softmax"
 
 
 def empty_vector(site: RouterSite, num_bins: int) -> torch.Tensor:
@@ -60,11 +82,16 @@ def router_output(
 ) -> CheckOutput:
     """Scalars and detector streams of one router from its reduced summary (reporting rank).
 
-    ``entropy_floor``: absolute floor of the mean routing entropy in nats (None: none).
+    ``entropy_floor``: absolute floor of the mean routing entropy in nats (None: none); ignored
+    for a router without softmax scores (:func:`entropy_floor_applies`). A router that drops
+    tokens (``site.drops_tokens``) also gets ``dropped_fraction``, the share of its token-expert
+    assignments dropped by the expert capacity.
     """
     if not site.reports:
         return CheckOutput()
     total = RouterEntropySummary.from_flat_tensor(flat.cpu(), site.num_experts, num_bins)
+    if not entropy_floor_applies(site):
+        entropy_floor = None
     layer = site.layer_number
     weight = site.weight().detach()
     if not bool(torch.isfinite(weight).all()):
@@ -94,6 +121,9 @@ def router_output(
             ("load_fraction_max", "load_fraction_max"),
         ):
             scalars[names.router(metric, layer)] = Partial("value", float(stats[key]))
+        if site.drops_tokens:
+            dropped = 1.0 - float(stats["assignments_per_token"]) / site.topk
+            scalars[names.router("dropped_fraction", layer)] = Partial("value", dropped)
         entropy = float(stats["token_entropy_mean"])
         scalars[names.router("effective_experts", layer)] = Partial("value", math.exp(entropy))
         limit_reason = ""

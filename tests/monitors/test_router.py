@@ -86,6 +86,68 @@ def test_entropy_rejects_integer_logits():
         routing_entropy(torch.ones(3, 4, dtype=torch.int64))
 
 
+def _normalised_score_entropy_reference(logits: torch.Tensor, score_function: str) -> torch.Tensor:
+    """fp64 from the definition: p_e = s(z_e) / sum_j s(z_j), H = -sum_e p_e log p_e."""
+    z = logits.to(torch.float64)
+    s = torch.sigmoid(z) if score_function == "sigmoid" else torch.nn.functional.softplus(z).sqrt()
+    p = s / s.sum(dim=-1, keepdim=True)
+    return -torch.where(p > 0, p * torch.log(p), torch.zeros_like(p)).sum(dim=-1)
+
+
+@pytest.mark.parametrize("score_function", ["sigmoid", "sqrtsoftplus"])
+@pytest.mark.parametrize("scale", [0.1, 3.0, 15.0])
+def test_entropy_of_normalised_scores_matches_fp64(score_function, scale):
+    logits = torch.randn(64, 16, generator=torch.Generator().manual_seed(2)) * scale
+    got = routing_entropy(logits, score_function)
+    assert got.shape == (64,) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), _normalised_score_entropy_reference(logits, score_function),
+                               atol=2e-6, rtol=1e-5)
+    assert bool((got >= 0).all()) and bool((got <= math.log(16) + 1e-6).all())
+
+
+def test_sigmoid_entropy_extremes_and_nonfinite():
+    e = 8
+    # sigma saturates at 1: k confident experts and the rest at -inf-like logits give log k ...
+    two_sure = torch.tensor([50.0, 50.0] + [-1e4] * (e - 2))
+    # ... equal logits of any magnitude give log E, and a huge positive logit is not a winner
+    # over the other saturated scores (sigmoid scores do not compete as softmax does).
+    equal = torch.full((e,), -30.0)
+    one_huge = torch.tensor([1e4] + [40.0] * (e - 1))
+    masked = torch.tensor([-math.inf, 0.0, 0.0, 0.0])
+    h = routing_entropy(torch.stack([two_sure, equal, one_huge]), "sigmoid")
+    assert h[0].item() == pytest.approx(math.log(2), abs=1e-6)
+    assert h[1].item() == pytest.approx(math.log(e), abs=1e-5)
+    assert h[2].item() == pytest.approx(math.log(e), abs=1e-6)
+    assert routing_entropy(masked, "sigmoid").item() == pytest.approx(math.log(3), abs=1e-6)
+    bad = routing_entropy(torch.tensor([[math.inf, 0.0, 0.0], [math.nan, 0.0, 0.0]]), "sigmoid")
+    assert bool(torch.isnan(bad).all())  # +inf is flagged as for softmax, though sigma(+inf) = 1
+    with pytest.raises(ValueError, match="'tanh'.*supported"):
+        routing_entropy(torch.zeros(2, 4), "tanh")
+
+
+def test_softmax_default_is_unchanged_and_summary_takes_the_score_function():
+    logits = torch.randn(40, 8, generator=torch.Generator().manual_seed(3)) * 2
+    assert torch.equal(routing_entropy(logits), routing_entropy(logits, "softmax"))
+    a = summarize_routing(logits, 2, num_bins=32).to_flat_tensor()
+    assert torch.equal(a, summarize_routing(logits, 2, num_bins=32, score_function="softmax").to_flat_tensor())
+    sig = summarize_routing(logits, 2, num_bins=32, score_function="sigmoid")
+    expected = _normalised_score_entropy_reference(logits, "sigmoid")
+    torch.testing.assert_close(sig.entropy_sum, expected.sum(), rtol=1e-6, atol=1e-6)
+    assert torch.equal(sig.expert_counts, summarize_routing(logits, 2, num_bins=32).expert_counts)
+
+
+def test_summary_accepts_megatron_flattened_routing_map_and_reports_assignments():
+    logits = torch.randn(5, 3, 8, generator=torch.Generator().manual_seed(4))  # [s, b, E]
+    routing_map = torch.zeros(15, 8, dtype=torch.bool)  # megatron-core's [s * b, E]
+    routing_map[:, 1] = True
+    routing_map[:10, 2] = True  # 5 tokens lost their second expert (capacity)
+    s = summarize_routing(logits, 2, routing_map=routing_map)
+    assert s.expert_counts.tolist() == [0, 15, 10, 0, 0, 0, 0, 0]
+    assert s.finalize()["assignments_per_token"] == pytest.approx(25 / 15)
+    with pytest.raises(ValueError, match="one row of 8 experts per token"):
+        summarize_routing(logits, 2, routing_map=routing_map[:, :4])
+
+
 # -- router weight similarity / conditioning ---------------------------------------------------
 
 

@@ -14,9 +14,21 @@ from mechmon_megatron.session.host import RouterSite
 EXPERTS, TOPK = 8, 2
 
 
-def _site(bins: int = 64) -> RouterSite:
+def _site(bins: int = 64, score_function: str = "softmax") -> RouterSite:
     return RouterSite(layer_number=1, num_experts=EXPERTS, topk=TOPK, weight=lambda: torch.zeros(EXPERTS, 4),
-                      reduce_sum=lambda v: v, reports=True, num_bins=bins)
+                      reduce_sum=lambda v: v, reports=True, num_bins=bins, score_function=score_function)
+
+
+def _routing_maps(batches: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A routing map unlike top-k of the logits (as with an expert bias): expert 0 always, then the best other."""
+    maps = []
+    for logits in batches:
+        flat = logits.reshape(-1, EXPERTS)
+        m = torch.zeros_like(flat, dtype=torch.bool)
+        m[:, 0] = True
+        m.scatter_(1, flat[:, 1:].argmax(dim=-1, keepdim=True) + 1, True)
+        maps.append(m)
+    return maps
 
 
 def _micro_batches(device: str) -> list[torch.Tensor]:
@@ -36,6 +48,20 @@ def test_summary_of_micro_batches_equals_the_summary_of_all_their_tokens():
     assert summary is not None and error is None and site.summary is None  # reset for the next check
 
 
+def test_sigmoid_site_with_routing_map_equals_the_summary_of_all_tokens():
+    site = _site(score_function="sigmoid")
+    batches = _micro_batches("cpu")
+    maps = _routing_maps(batches)
+    for logits, routing_map in zip(batches, maps):
+        site.capture(logits, routing_map)
+    expected = summarize_routing(torch.cat([b.reshape(-1, EXPERTS) for b in batches]), TOPK, num_bins=64,
+                                 routing_map=torch.cat(maps), score_function="sigmoid")
+    torch.testing.assert_close(site.summary, expected.to_flat_tensor(), rtol=1e-12, atol=1e-9)
+    assert expected.expert_counts[0].item() == 3 * 32  # the map, not top-k of the logits
+    softmax = summarize_routing(torch.cat([b.reshape(-1, EXPERTS) for b in batches]), TOPK, num_bins=64)
+    assert not torch.equal(expected.entropy_sum, softmax.entropy_sum)
+
+
 def test_a_failing_capture_is_kept_for_the_check_and_never_raises_in_the_forward():
     site = _site()
     site.capture(torch.randn(4, 3))  # 3 != 8 experts: the summary cannot be added
@@ -45,14 +71,18 @@ def test_a_failing_capture_is_kept_for_the_check_and_never_raises_in_the_forward
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (tools/gpu_check.sh)")
-def test_capture_on_cuda_never_synchronises_with_the_host():
-    site = _site(bins=512)
+@pytest.mark.parametrize("score_function, with_map", [("softmax", False), ("sigmoid", True), ("sqrtsoftplus", True)])
+def test_capture_on_cuda_never_synchronises_with_the_host(score_function, with_map):
+    site = _site(bins=512, score_function=score_function)
     batches = _micro_batches("cuda")
+    maps = _routing_maps(batches) if with_map else [None] * len(batches)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # any device-to-host sync raises
     try:
-        for logits in batches:
-            site.capture(logits)
+        for logits, routing_map in zip(batches, maps):
+            # As the megatron-core adapter does with moe_pad_expert_input_to_capacity.
+            routed = None if routing_map is None else routing_map & (logits.reshape(-1, EXPERTS) != 0)
+            site.capture(logits, routed)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert site.capture_error is None, site.capture_error

@@ -240,9 +240,10 @@ def test_bad_config_names_the_flag(overrides, flag):
         MechmonConfig(enabled=True, **overrides)
 
 
-def _router_session(tmp_path, logits, topk=2, **overrides):
+def _router_session(tmp_path, logits, topk=2, score_function="softmax", **overrides):
     weight = torch.randn(EXPERTS, HIDDEN, generator=torch.Generator().manual_seed(0))
-    site = RouterSite(1, EXPERTS, topk, weight=lambda: weight, reduce_sum=lambda v: v, reports=True)
+    site = RouterSite(1, EXPERTS, topk, weight=lambda: weight, reduce_sum=lambda v: v, reports=True,
+                      score_function=score_function)
     session = make_session(tmp_path, [], routers=[site], **overrides)
     decisions = []
     for it in range(1, 21):
@@ -292,6 +293,22 @@ def test_routing_entropy_above_the_floor_is_quiet(tmp_path):
     # A user floor above that level alarms on the same router.
     decisions, _ = _router_session(tmp_path, _peaked_logits(1.0), router_min_effective_experts=3.9)
     assert [d.iteration for d in decisions if d.alarm] == [15]
+
+
+@pytest.mark.parametrize("setting", ["topk", 1.5])
+def test_sigmoid_router_has_no_floor_whatever_the_setting(tmp_path, setting):
+    # Normalised sigmoid scores of (10, -20, -20, -20): ~1e-8 nats, far below log 2; no floor
+    # (argued for softmax only), so nothing alarms inside the warm-up.
+    logits = torch.full((32, EXPERTS), -20.0)
+    logits[:, 0] = 10.0
+    decisions, rows = _router_session(tmp_path, logits, score_function="sigmoid", router_min_effective_experts=setting)
+    assert not any(d.alarm for d in decisions)
+    scalars = rows[-1]["scalars"]
+    assert names.router("token_entropy_floor", 1) not in scalars
+    p = torch.sigmoid(logits.double())
+    p = p / p.sum(-1, keepdim=True)
+    assert scalars[names.router("token_entropy", 1)] == pytest.approx(float((-(p * p.log()).sum(-1)).mean()),
+                                                                     rel=1e-4, abs=1e-7)
 
 
 def test_top1_router_has_no_floor_under_topk():

@@ -34,6 +34,24 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
     g.add_argument("--moe-router-load-balancing-type", default="aux_loss",
                    choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "none"])
+    # Routers in use today (megatron-core's names and meanings); unset = megatron-core's default.
+    g.add_argument("--moe-router-score-function", default=None, choices=["softmax", "sigmoid"],
+                   help="Router score function (megatron-core default: softmax).")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="Aux-loss-free balancing: a per-expert bias moves the selection (sigmoid only).")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=None,
+                   help="Expert-bias update per step (megatron-core default: 1e-3).")
+    g.add_argument("--moe-router-num-groups", type=int, default=None, help="Group-limited routing: groups.")
+    g.add_argument("--moe-router-group-topk", type=int, default=None,
+                   help="Group-limited routing: groups selected per token.")
+    g.add_argument("--moe-router-pre-softmax", action="store_true",
+                   help="Softmax before the top-k (megatron-core requires it for softmax top-1).")
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                   help="Expert capacity factor: assignments beyond the capacity are dropped (off).")
+    g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
+                   help="Pad every expert's input to its capacity (needs --moe-expert-capacity-factor).")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                   help="FFN size of the shared experts (off).")
     g.add_argument("--seq-length", type=int, default=64)
     g.add_argument("--vocab-size", type=int, default=257,
                    help="Tokenizer vocab (byte-level: 256 bytes + eod = 257).")

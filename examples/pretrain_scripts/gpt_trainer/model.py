@@ -43,6 +43,19 @@ def build_transformer_config(args: argparse.Namespace) -> TransformerConfig:
             moe_token_dispatcher_type="allgather",
             moe_grouped_gemm=False,
         )
+        # Only the router settings that were given: without them the config is today's, bit for bit.
+        optional = dict(
+            moe_router_score_function=args.moe_router_score_function,
+            moe_router_enable_expert_bias=args.moe_router_enable_expert_bias or None,
+            moe_router_bias_update_rate=args.moe_router_bias_update_rate,
+            moe_router_num_groups=args.moe_router_num_groups,
+            moe_router_group_topk=args.moe_router_group_topk,
+            moe_router_pre_softmax=args.moe_router_pre_softmax or None,
+            moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+            moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity or None,
+            moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        )
+        moe.update({k: v for k, v in optional.items() if v is not None})
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,

@@ -26,6 +26,35 @@ class FoundRouter:
     module: Any  # megatron.core.transformer.moe.router.TopKRouter
 
 
+@dataclass(frozen=True)
+class RouterSettings:
+    """What the router monitors need to know of one megatron-core router.
+
+    ``score_function``: ``moe_router_score_function`` (``softmax``, ``sigmoid``, ``sqrtsoftplus``
+    in megatron-core 0.19); ``drops_tokens``: an expert capacity is set
+    (``moe_expert_capacity_factor``); ``pad_to_capacity``: the routing map also marks padding
+    slots (``moe_pad_expert_input_to_capacity``).
+    """
+
+    score_function: str = "softmax"
+    drops_tokens: bool = False
+    pad_to_capacity: bool = False
+
+
+def router_settings(router: Any) -> RouterSettings:
+    """The router's settings, read from the module and its ``config`` (absent fields: defaults).
+
+    Feature-detected rather than pinned to a release: ``TopKRouter`` keeps ``score_function``
+    as an attribute (0.16 to 0.20), its ``config`` the rest.
+    """
+    config = getattr(router, "config", None)
+    score = getattr(router, "score_function", None) or getattr(config, "moe_router_score_function", None)
+    capacity = getattr(config, "moe_expert_capacity_factor", None)
+    drops = capacity is not None and float(capacity) >= 0  # megatron-core maps a negative factor to None
+    pad = drops and bool(getattr(config, "moe_pad_expert_input_to_capacity", False))
+    return RouterSettings(score_function=str(score or "softmax"), drops_tokens=drops, pad_to_capacity=pad)
+
+
 def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     """Strip DDP / Float16Module wrappers (each keeps the wrapped model in ``.module``)."""
     while hasattr(chunk, "module") and isinstance(chunk.module, torch.nn.Module):

@@ -11,22 +11,28 @@ rank that holds a copy of the layer):
   i.e. replica ``j // tp``, TP rank ``j % tp``, from the TP-gathered weight.
 * Every gather runs through ``collective_guard``: a rank whose own part fails makes every rank of
   the group raise instead of leaving them waiting in the collective.
-* Routers: every rank lists them; token statistics are summed over the data-parallel group (plus
-  the TP group under sequence parallelism, where TP ranks route different tokens); one rank per
-  pipeline stage (DP rank 0, TP rank 0) reports.
+* Routers: every rank lists them; token statistics (entropy of the logits, load from the router's
+  own routing map) are summed over the data-parallel group (plus the TP group under sequence
+  parallelism, where TP ranks route different tokens); one rank per pipeline stage (DP rank 0,
+  TP rank 0) reports.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from mechmon_megatron.adapters.megatron_core.discovery import FoundAttention, FoundRouter
+from mechmon_megatron.adapters.megatron_core.discovery import FoundAttention, FoundRouter, router_settings
+from mechmon_megatron.monitors.router import check_score_function
 from mechmon_megatron.session.collective_guard import guarded_collective
 from mechmon_megatron.session.host import AttentionSite, FullQK, QKWeights, RouterSite, SnapshotBudget
 from mechmon_megatron.session.qkv_layout import split_qk
+from mechmon_megatron.session.router_check import NON_SOFTMAX_FLOOR_NOTICE, entropy_floor_applies
+
+logger = logging.getLogger(__name__)
 
 WeightSource = Callable[[torch.nn.Parameter], Callable[[], torch.Tensor]]
 """Given a ``linear_qkv.weight``, a reader of the weights to monitor (e.g. FP32 main parameters).
@@ -166,10 +172,17 @@ def attention_sites(
 def router_sites(
     found: list[FoundRouter], reduce_group: Any, reports: bool, capture_enabled: Callable[[], bool]
 ) -> list[RouterSite]:
-    """Router sites plus a capture wrapper around each router's ``gating`` (logits ``[s, b, E]``)."""
+    """Router sites plus a capture wrapper around each router's ``routing`` (logits and routing map).
+
+    The site knows the router's score function (the routing entropy's definition) and whether it
+    drops tokens; both are read from the router (``discovery.router_settings``). An unknown score
+    function fails here, at start-up, naming it. Routers without softmax scores have no
+    routing-entropy floor: the reporting rank logs that once (``NON_SOFTMAX_FLOOR_NOTICE``).
+    """
     sites = []
     for item in found:
         module = item.module
+        settings = router_settings(module)
 
         def reduce_sum(vector: torch.Tensor, _group=reduce_group, _device=module.weight.device) -> torch.Tensor:
             if not dist.is_initialized() or _group_size(_group) == 1:
@@ -187,29 +200,67 @@ def router_sites(
             reduce_sum=reduce_sum,
             reports=reports,
             name=item.name,
+            score_function=check_score_function(settings.score_function),
+            drops_tokens=settings.drops_tokens,
         )
-        install_logit_capture(module, site, capture_enabled)
+        install_routing_capture(module, site, capture_enabled, pad_to_capacity=settings.pad_to_capacity)
         sites.append(site)
+    if reports:
+        _notice_non_softmax(sites)
     return sites
 
 
-def install_logit_capture(router: torch.nn.Module, site: RouterSite, capture_enabled) -> None:
-    """Wrap ``router.gating`` (instance attribute) to summarise its logits on check steps only.
+def _notice_non_softmax(sites: list[RouterSite]) -> None:
+    by_score: dict[str, list[int]] = {}
+    for site in sites:
+        if not entropy_floor_applies(site):
+            by_score.setdefault(site.score_function, []).append(site.layer_number)
+    for score, layers in sorted(by_score.items()):
+        logger.warning(NON_SOFTMAX_FLOOR_NOTICE.format(score=score, layers=", ".join(map(str, layers))))
 
-    megatron-core's router returns only sparse top-k probabilities; the full softmax is never
-    materialised, so we softmax the logits ourselves, reduced at once to a small summary
-    (``RouterSite.capture``: no logits kept, no host sync). On other steps the wrapper costs one
-    boolean test.
+
+def install_routing_capture(
+    router: Any, site: RouterSite, capture_enabled: Callable[[], bool], pad_to_capacity: bool = False
+) -> None:
+    """Wrap ``router.routing`` (instance attribute) to summarise its input and output on check steps.
+
+    megatron-core's ``TopKRouter.forward`` computes the logits (``gating``) and calls
+    ``self.routing(logits, padding_mask=...)``, which returns ``(probs, routing_map)``: the
+    sparse top-k gate values and the bool ``[tokens, E]`` assignment after the score function,
+    an expert bias, group-limited selection and capacity dropping. The full score distribution
+    is never materialised, so the site computes the entropy from the logits ``routing`` received;
+    the load comes from the routing map. Both are reduced at once to a small summary
+    (``RouterSite.capture``: no logits kept, no host sync). With
+    ``moe_pad_expert_input_to_capacity`` the map also marks the padding slots (zero gate), which
+    are left out of the load: ``routing_map & (probs != 0)``. A ``routing`` whose output is not
+    ``(probs, bool routing_map)`` (another megatron-core release) is recorded as the site's
+    capture error, which the check reports. On other steps the wrapper costs one boolean test.
     """
     if getattr(router, "_mechmon_capture", False):
         raise RuntimeError(f"router {site.name} already has a mechmon capture hook (attach the session once)")
-    original = router.gating
+    original = router.routing
 
-    def gating(input: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        logits = original(input, *args, **kwargs)
+    def routing(logits: torch.Tensor, *args, **kwargs):
+        out = original(logits, *args, **kwargs)
         if capture_enabled():
-            site.capture(logits)
-        return logits
+            _capture_routing(site, logits, out, pad_to_capacity)
+        return out
 
-    router.gating = gating
+    router.routing = routing
     router._mechmon_capture = True
+
+
+def _capture_routing(site: RouterSite, logits: torch.Tensor, out: Any, pad_to_capacity: bool) -> None:
+    """``site.capture(logits, routing_map)`` from ``routing``'s output; never raises."""
+    try:
+        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], torch.Tensor)
+                and out[1].dtype == torch.bool):
+            raise TypeError(f"router.routing returned {type(out).__name__}, expected (probs, bool routing_map); "
+                            "this megatron-core release routes differently")
+        probs, routing_map = out
+        if pad_to_capacity:
+            routing_map = routing_map & (probs.detach() != 0)
+    except Exception as exc:  # noqa: BLE001 -- never kill the training forward; the check counts it
+        site.capture_error = site.capture_error or exc
+        return
+    site.capture(logits, routing_map)
