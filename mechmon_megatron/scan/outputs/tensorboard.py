@@ -1,0 +1,24 @@
+"""TensorBoard event files with the online session's ``mechmon/`` tags, step = checkpoint iteration."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from mechmon_megatron.scan.errors import ScanInputError
+from mechmon_megatron.scan.replay import CheckValues
+from mechmon_megatron.session.writers import TensorBoardScalarWriter
+
+__all__ = ["write_tensorboard"]
+
+
+def write_tensorboard(log_dir: str, checks: Sequence[CheckValues]) -> None:
+    """One event per scalar per check, through the session's own TensorBoard writer."""
+    try:
+        writer = TensorBoardScalarWriter.in_directory(log_dir)
+    except ImportError as exc:
+        raise ScanInputError(f"{exc} (needed for the scan's TensorBoard output)") from None
+    try:
+        for check in checks:
+            writer.write_scalars(dict(sorted(check.scalars.items())), check.step)
+    finally:
+        writer.close()
