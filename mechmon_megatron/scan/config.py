@@ -72,7 +72,8 @@ class ScanConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ScanInputError(f"{flag} must be an integer >= 1 (checkpoints), got {value!r}.")
         rate = self.false_alarm_rate
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not (math.isfinite(rate) and 0 < rate <= 1e6):
+        number = isinstance(rate, (int, float)) and not isinstance(rate, bool)
+        if not (number and math.isfinite(rate) and 0 < rate <= 1e6):
             raise ScanInputError(
                 f"--false-alarm-rate must be a number in (0, 1e6] (false alarms per 10^6 steps), got {rate!r}."
             )

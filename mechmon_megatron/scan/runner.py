@@ -64,9 +64,9 @@ def _open_all(config: ScanConfig) -> tuple[ScanPlan, list[CheckpointReader], lis
                                      "all checkpoints of a scan must be of one model.")
             if other[layer] != shapes[layer]:
                 raise ScanInputError(
-                    f"{reader.path}: layer {layer} tensors have shapes {other[layer].qk} (router {other[layer].router}),"
-                    f" expected {shapes[layer].qk} (router {shapes[layer].router}) as in {first.path}; the model "
-                    "changed between checkpoints."
+                    f"{reader.path}: layer {layer} tensors have shapes {other[layer].qk} (router "
+                    f"{other[layer].router}), expected {shapes[layer].qk} (router {shapes[layer].router}) as in "
+                    f"{first.path}; the model changed between checkpoints."
                 )
     for layer in layers:
         first.heads(layer)  # head counts resolve (or the flag to pass is named) before any work

@@ -19,7 +19,7 @@ ITERATIONS = [380, 400, 420]
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["q_proj_k_proj", "fused_qkv_proj"])
-def test_safetensors_series_reads_the_trainerS.cached_values(healthy, tmp_path, fused):
+def test_safetensors_series_reads_the_trainer_values(healthy, tmp_path, fused):
     run_dir = tmp_path / "hf_run"
     for iteration in ITERATIONS:
         S.export_hf(healthy.save / f"iter_{iteration:07d}", run_dir / f"checkpoint-{iteration}", fused=fused)

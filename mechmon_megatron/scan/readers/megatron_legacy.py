@@ -130,5 +130,7 @@ class MegatronLegacyReader:
             shards = [tensor_at(self._state(t, stage)["model"], key, self._files[(t, stage)]) for t in range(self.tp)]
             tensors.append(torch.cat(shards, dim=0))
         wq, wk = split_heads(keys.layout, tensors, counts)
-        router = tensor_at(self._state(0, stage)["model"], keys.router, self._files[(0, stage)]) if keys.router else None
+        router = None
+        if keys.router:
+            router = tensor_at(self._state(0, stage)["model"], keys.router, self._files[(0, stage)])
         return LayerWeights(layer=layer, wq=wq, wk=wk, router=router)

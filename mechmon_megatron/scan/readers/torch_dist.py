@@ -83,7 +83,7 @@ class TorchDistReader:
             self._metadata = FileSystemReader(path).read_metadata()
         except Exception as exc:  # noqa: BLE001 -- any failure here is an unreadable checkpoint
             raise ScanInputError(
-                f"{os.path.join(path, '.metadata')}: cannot read the torch_dist metadata ({type(exc).__name__}: {exc}); "
+                f"{os.path.join(path, '.metadata')}: cannot read the torch_dist metadata ({_short(exc)}); "
                 "expected a checkpoint written by megatron-core dist_checkpointing."
             ) from None
         self._tensors = {k: v for k, v in self._metadata.state_dict_metadata.items() if hasattr(v, "chunks")}
@@ -143,6 +143,7 @@ class TorchDistReader:
     def _load(self, requests: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> dict[str, torch.Tensor]:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.api import CheckpointException
 
         dest = {fqn: torch.empty(sizes, dtype=self._tensors[fqn].properties.dtype) for fqn, (_, sizes) in
                 requests.items()}
@@ -150,10 +151,11 @@ class TorchDistReader:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
                 dcp.load(dest, storage_reader=FileSystemReader(self.path), planner=_planner(requests), no_dist=True)
-        except Exception as exc:  # noqa: BLE001 -- a truncated or corrupt shard file
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 -- a truncated or corrupt shard file
+            # DCP wraps a worker's failure in CheckpointException, a BaseException (not an Exception).
             raise ScanInputError(
-                f"{self.path}: cannot read {sorted(requests)} ({type(exc).__name__}: {exc}); the checkpoint's "
-                ".distcp files are incomplete or corrupt."
+                f"{self.path}: cannot read {sorted(requests)} ({_short(exc)}); the checkpoint's .distcp files are "
+                "incomplete or corrupt."
             ) from None
         return dest
 
@@ -178,6 +180,12 @@ class TorchDistReader:
                           for k in wanted})
         wq, wk = split_heads(keys.layout, [got[k] for k in keys.keys], counts)
         return LayerWeights(layer=layer, wq=wq, wk=wk, router=got[keys.router] if keys.router else None)
+
+
+def _short(exc: BaseException) -> str:
+    """One line: DCP's CheckpointException carries the worker's whole traceback; its last line is the cause."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[-1] if lines else ''}"
 
 
 def hints_from_megatron_args(args: Any, source: str) -> HeadHints:
