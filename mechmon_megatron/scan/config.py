@@ -90,13 +90,13 @@ class ScanConfig:
             self.layers = tuple(sorted(set(self.layers)))
             if not self.layers or any(isinstance(L, bool) or not isinstance(L, int) or L < 1 for L in self.layers):
                 raise ScanInputError(f"--layers must be global 1-based layer numbers, got {self.layers!r}.")
-        for flag, value in (
+        for flag, count in (
             ("--num-attention-heads", self.num_attention_heads),
             ("--num-query-groups", self.num_query_groups),
             ("--kv-channels", self.kv_channels),
         ):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ScanInputError(f"{flag} must be a positive integer, got {value!r}.")
+            if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+                raise ScanInputError(f"{flag} must be a positive integer, got {count!r}.")
         if self.num_attention_heads and self.num_query_groups and self.num_attention_heads % self.num_query_groups:
             raise ScanInputError(
                 f"--num-attention-heads {self.num_attention_heads} must be a multiple of --num-query-groups "

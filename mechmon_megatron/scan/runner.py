@@ -136,9 +136,9 @@ def _scan_layer(config: ScanConfig, plan: ScanPlan, readers: list[CheckpointRead
         progress.update()
     out = []
     for pair in plan.pairs:
-        record = cache.get(*plan.iterations(pair))
-        assert record is not None
-        out.append(record)
+        done = cache.get(*plan.iterations(pair))
+        assert done is not None  # every pair was computed above or cached before
+        out.append(done)
     return out
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from mechmon_megatron.scan.readers.base import CheckpointReader, HeadCounts, HeadHints, LayerShapes, LayerWeights
 from mechmon_megatron.scan.readers.deepspeed_ckpt import DeepSpeedReader, is_deepspeed
 from mechmon_megatron.scan.readers.megatron_legacy import MegatronLegacyReader, is_megatron_legacy
@@ -18,7 +20,7 @@ __all__ = [
     "open_reader",
 ]
 
-_READERS = {
+_READERS: dict[str, Callable[[str, int, HeadHints], CheckpointReader]] = {
     TorchDistReader.format: TorchDistReader,
     MegatronLegacyReader.format: MegatronLegacyReader,
     DeepSpeedReader.format: DeepSpeedReader,

@@ -45,7 +45,7 @@ def is_torch_dist(path: str) -> bool:
 
 def _planner(requests: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> Any:
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
     from torch.distributed.checkpoint.planner import LoadPlan
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
@@ -56,10 +56,13 @@ def _planner(requests: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> An
             super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
         def create_local_plan(self) -> LoadPlan:
+            assert self.metadata is not None  # set_up_planner ran
             items = []
             for fqn, (offsets, sizes) in requests.items():
                 chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
-                items += create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], [chunk])
+                md = self.metadata.state_dict_metadata[fqn]
+                assert isinstance(md, TensorStorageMetadata)
+                items += create_read_items_for_chunk_list(fqn, md, [chunk])
             return LoadPlan(items)
 
         def lookup_tensor(self, index: Any) -> torch.Tensor:
@@ -86,7 +89,9 @@ class TorchDistReader:
                 f"{os.path.join(path, '.metadata')}: cannot read the torch_dist metadata ({_short(exc)}); "
                 "expected a checkpoint written by megatron-core dist_checkpointing."
             ) from None
-        self._tensors = {k: v for k, v in self._metadata.state_dict_metadata.items() if hasattr(v, "chunks")}
+        self._tensors: dict[str, Any] = {  # TensorStorageMetadata (size, properties.dtype, chunks) by key
+            k: v for k, v in self._metadata.state_dict_metadata.items() if hasattr(v, "chunks")
+        }
         self._qkv = self._find(QKV_KEY)
         self._router = self._find(ROUTER_KEY)
         self._per_layer = None if self._qkv else find_layer_keys(self._tensors, path)
