@@ -59,6 +59,8 @@ class Anomaly:
     def sentence(self) -> str:
         heads = f", heads {', '.join(str(h) for h in self.heads)}" if self.heads else ""
         where = f"layer {self.layer}" if self.layer is not None else "the model"
+        if self.level == "family" and len(self.layers) > 1:
+            where += f" (family test over layers {', '.join(str(L) for L in self.layers)})"
         return (f"first anomaly between iteration {self.after_iteration} and {self.before_iteration}: "
                 f"{self.family}, {where}{heads}")
 
@@ -137,7 +139,8 @@ def replay(
             anomalies.append(Anomaly(
                 after_iteration=_after_iteration(alarm, plan), before_iteration=step, family=alarm.family,
                 layer=alert.layer, heads=list(alert.heads), level=alarm.level, kind=alarm.kind,
-                layers=list(alarm.layers), statistic=alarm.statistic, threshold=alarm.threshold, reason=alert.reason,
+                layers=list(alarm.layers), statistic=alarm.statistic, threshold=alarm.threshold,
+                reason=alert.reason.replace("--mechmon-false-alarm-rate", "--false-alarm-rate"),
             ))
         values.scalars.update({f"{names.DETECT_PREFIX}/{k}": v for k, v in result.statistics.items()})
         values.scalars[names.ALARM] = 1.0 if any(a.before_iteration == step for a in anomalies) else 0.0

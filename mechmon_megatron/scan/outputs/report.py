@@ -10,6 +10,7 @@ The first anomaly is shaded from ``after_iteration`` to ``before_iteration`` on 
 from __future__ import annotations
 
 import html
+import math
 import os
 import re
 from collections.abc import Sequence
@@ -38,11 +39,11 @@ def _pyplot() -> Any:
 
 
 def _series(checks: Sequence[CheckValues], name: str) -> tuple[list[int], list[float]]:
+    """The scalar over the checks; a check without it (detector warm-up after a restart) breaks the line."""
     xs, ys = [], []
     for c in checks:
-        if name in c.scalars:
-            xs.append(c.step)
-            ys.append(c.scalars[name])
+        xs.append(c.step)
+        ys.append(c.scalars.get(name, math.nan))
     return xs, ys
 
 
@@ -83,14 +84,19 @@ def _layer_figure(path: str, layer: int, checks: Sequence[CheckValues], first: O
     ax = axes[-1]
     for family in ("attn_delta2", "attn_dw", "router_weights"):
         xs, ys = _series(checks, f"{names.DETECT_PREFIX}/{family}/cusum/layer_{layer}")
-        if not xs:
+        if all(math.isnan(y) for y in ys):
             continue
-        line = ax.plot(xs, ys, label=family, marker=".")[0]
-        level = thresholds.get(family, {}).get("layer", {}).get("alarm")
-        if level is not None:
-            ax.axhline(level, color=line.get_color(), ls="--", lw=0.8)
+        line = ax.plot(xs, ys, label=f"{family} layer {layer}", marker=".")[0]
+        levels = thresholds.get(family, {})
+        if "layer" in levels:
+            ax.axhline(levels["layer"]["alarm"], color=line.get_color(), ls="--", lw=0.8)
+        fx, fy = _series(checks, f"{names.DETECT_PREFIX}/{family}/cusum")
+        if not all(math.isnan(y) for y in fy):
+            ax.plot(fx, fy, color=line.get_color(), ls=":", lw=1.2, label=f"{family} family (all layers)")
+            if "family" in levels:
+                ax.axhline(levels["family"]["alarm"], color=line.get_color(), ls="-.", lw=0.6)
     ax.set_ylabel("CUSUM S")
-    ax.set_title("detector: per-layer CUSUM (dashed: alarm threshold; none during the warm-up)", fontsize=9)
+    ax.set_title("detector CUSUMs (dashed / dash-dot: layer / family alarm threshold; gaps: warm-up)", fontsize=9)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7, loc="best")
     ax.set_xlabel("checkpoint iteration")
@@ -100,6 +106,10 @@ def _layer_figure(path: str, layer: int, checks: Sequence[CheckValues], first: O
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
+
+
+def _heads(heads: Sequence[int]) -> str:
+    return f", heads {', '.join(str(h) for h in heads)}" if heads else ""
 
 
 def write_report(stage: str, summary: dict[str, Any], checks: Sequence[CheckValues], layers: Sequence[int],
@@ -124,7 +134,8 @@ def write_report(stage: str, summary: dict[str, Any], checks: Sequence[CheckValu
     rows = "\n".join(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in facts)
     anomalies = "\n".join(
         f"<li>({a['after_iteration']}, {a['before_iteration']}]: {esc(a['family'])} {esc(a['level'])} test, "
-        f"layer {a['layer']}, heads {a['heads']}: {esc(a['reason'])}</li>" for a in summary["anomalies"]
+        f"layers {', '.join(str(L) for L in a['layers'])}{_heads(a['heads'])}: {esc(a['reason'])}</li>"
+        for a in summary["anomalies"]
     ) or "<li>none</li>"
     notes = "".join(f"<li>{esc(n)}</li>" for n in summary["notes"])
     figures = "\n".join(
