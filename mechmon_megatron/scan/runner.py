@@ -23,7 +23,7 @@ from mechmon_megatron.scan.config import ScanConfig
 from mechmon_megatron.scan.errors import ScanInputError
 from mechmon_megatron.scan.outputs.report import write_report
 from mechmon_megatron.scan.outputs.staging import Staging
-from mechmon_megatron.scan.outputs.tensorboard import write_tensorboard
+from mechmon_megatron.scan.outputs.tensorboard import write_jsonl, write_tensorboard
 from mechmon_megatron.scan.pairs import PairRecord, compute_pair
 from mechmon_megatron.scan.readers import CheckpointReader, HeadHints, LayerWeights, open_reader
 from mechmon_megatron.scan.replay import ReplayResult, replay
@@ -36,6 +36,7 @@ __all__ = ["SUMMARY_VERSION", "run_scan"]
 
 SUMMARY_VERSION = 1
 CACHE_DIR = "cache"
+SCALARS_FILE = "mechmon_scalars.jsonl"
 
 
 def _open_all(config: ScanConfig) -> tuple[ScanPlan, list[CheckpointReader], list[int], list[int]]:
@@ -214,7 +215,8 @@ def run_scan(config: ScanConfig) -> dict[str, Any]:
     summary = _summary(config, plan, readers, layers, routers, result, timing)
     with Staging(config.out) as stage:
         write_tensorboard(os.path.join(stage.path, "tensorboard"), result.checks)
-        entries = ["tensorboard"]
+        write_jsonl(os.path.join(stage.path, SCALARS_FILE), result.checks)
+        entries = ["tensorboard", SCALARS_FILE]
         entries += write_report(stage.path, summary, result.checks, layers, routers, result.first_anomaly)
         with open(os.path.join(stage.path, "summary.json"), "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=1)
