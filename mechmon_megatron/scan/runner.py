@@ -219,6 +219,6 @@ def run_scan(config: ScanConfig) -> dict[str, Any]:
         entries = ["tensorboard", SCALARS_FILE]
         entries += write_report(stage.path, summary, result.checks, layers, routers, result.first_anomaly)
         with open(os.path.join(stage.path, "summary.json"), "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=1)
+            json.dump(summary, f, indent=1, allow_nan=False)  # strict JSON: other tools read it
         stage.commit(entries + ["summary.json"])
     return summary

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mechmon_megatron.scan import ScanConfig, ScanInputError, run_scan
+from mechmon_megatron.scan import ScanConfig, ScanInputError, main, run_scan
 from tests.scan import series as S
 
 pytest.importorskip("megatron.core")
@@ -59,12 +59,11 @@ def test_cli_entry_points_scan_a_real_folder(small, tmp_path):
     assert "mechmon-scan=mechmon_megatron.scan.cli:main" in setup  # the console script
 
 
-def test_a_single_checkpoint_is_refused(small, tmp_path):
+def test_a_single_checkpoint_is_refused(small, tmp_path, capsys):
     out = tmp_path / "out"
-    proc = cli(str(small / "iter_0000020"), "--out", str(out), "--num-attention-heads", "4")
-    assert proc.returncode == 2
-    assert "found 1 checkpoint(s)" in proc.stderr and "needs at least 2 checkpoints" in proc.stderr
-    assert "iter_0000020" in proc.stderr
+    assert main([str(small / "iter_0000020"), "--out", str(out), "--num-attention-heads", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "found 1 checkpoint(s)" in err and "needs at least 2 checkpoints" in err and "iter_0000020" in err
     assert not out.exists()
 
 
@@ -80,12 +79,13 @@ def test_a_single_checkpoint_is_refused(small, tmp_path):
         (["--detector-calibration", "nope.json"], "--detector-calibration 'nope.json' is not a file"),
     ],
 )
-def test_bad_flags_name_the_flag(small, tmp_path, flags, expected):
+def test_bad_flags_name_the_flag(small, tmp_path, capsys, flags, expected):
+    """In-process ``main`` (what the console script calls): exit code 2, the flag named on stderr."""
     out = tmp_path / "out"
     heads = [] if "--num-attention-heads" in flags else ["--num-attention-heads", "4"]
-    proc = cli(str(small), "--out", str(out), *heads, *flags)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert expected in proc.stderr, proc.stderr
+    assert main([str(small), "--out", str(out), *heads, *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mechmon-scan: error: ") and expected in err, err
     _nothing_written(out)
 
 
@@ -166,3 +166,23 @@ def test_an_interrupted_scan_resumes_from_its_cache(small, tmp_path):
     os.utime(small / "iter_0000040" / ".metadata")  # a checkpoint rewritten since: its layer files recompute
     changed = run_scan(ScanConfig(inputs=(str(small),), out=str(out), num_attention_heads=4, progress=False))
     assert changed["timing"]["layer_pairs_computed_this_run"] == 6
+
+
+def test_non_finite_weights_are_the_first_anomaly(healthy, tmp_path):
+    """A NaN in a checkpoint's Q weights is an anomaly of its own (as online), not an error."""
+    run = _hf_series(healthy, tmp_path / "hf")
+    key = "model.layers.0.self_attn.q_proj.weight"
+
+    def poison(tensors):
+        tensors[key][3, 5] = float("nan")
+
+    _rewrite(run / "checkpoint-60", poison)
+    summary = run_scan(ScanConfig(inputs=(str(run),), out=str(tmp_path / "out"), progress=False))
+    first = summary["first_anomaly"]
+    assert (first["family"], first["layer"], first["after_iteration"], first["before_iteration"]) == (
+        "nonfinite", 1, 40, 60)
+    assert "non-finite Q/K weights" in first["reason"]
+    def refuse(constant):
+        raise AssertionError(f"summary.json holds {constant}, which strict JSON readers refuse")
+
+    json.loads((tmp_path / "out" / "summary.json").read_text(), parse_constant=refuse)
