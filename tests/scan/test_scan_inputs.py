@@ -186,3 +186,14 @@ def test_non_finite_weights_are_the_first_anomaly(healthy, tmp_path):
         raise AssertionError(f"summary.json holds {constant}, which strict JSON readers refuse")
 
     json.loads((tmp_path / "out" / "summary.json").read_text(), parse_constant=refuse)
+
+
+def test_every_judges_every_kth_checkpoint_and_reuses_cached_pairs(small, tmp_path):
+    out = tmp_path / "out"
+    full = run_scan(ScanConfig(inputs=(str(small),), out=str(out), num_attention_heads=4, progress=False))
+    sparse = run_scan(ScanConfig(inputs=(str(small),), out=str(out), num_attention_heads=4, every=2, progress=False))
+    # Checkpoints 20, 40, 60, 80: pairs (20, 40) and (60, 80), a check every 40 steps over 20-step windows.
+    assert (full["pairs"], sparse["pairs"]) == (3, 2)
+    assert (sparse["interval_steps"], sparse["window_steps"]) == (40, 20)
+    assert sparse["timing"]["layer_pairs_computed_this_run"] == 0  # both pairs were in the cache
+    assert sparse["detector"]["checks_per_million_steps"] == 1e6 / 40
