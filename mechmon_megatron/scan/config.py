@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, Optional
 
 from mechmon_megatron.scan.errors import ScanInputError
@@ -57,8 +57,6 @@ class ScanConfig:
 
     progress: bool = True
     """Show a tqdm progress bar (checkpoints x layers) on stderr when it is a terminal."""
-
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.inputs = tuple(str(p) for p in self.inputs)

@@ -75,11 +75,11 @@ def _open_all(config: ScanConfig) -> tuple[ScanPlan, list[CheckpointReader], lis
     return plan, readers, layers, routers
 
 
-def _key(config: ScanConfig, plan: ScanPlan, readers: list[CheckpointReader], layer: int) -> str:
+def _key(config: ScanConfig, series: list[list[Any]], readers: list[CheckpointReader], layer: int) -> str:
+    """What a layer's cached values depend on; ``series``: [iteration, path, newest mtime] per checkpoint."""
     counts = readers[0].heads(layer)
     return fingerprint({
-        "checkpoints": [[r.iteration, r.path, _mtime(r.path)] for r in readers],
-        "heads": [counts.num_heads, counts.num_groups, counts.head_dim],
+        "checkpoints": series, "heads": [counts.num_heads, counts.num_groups, counts.head_dim],
         "alpha": config.alpha, "qk_method": config.qk_method, "layer": layer,
     })
 
@@ -201,9 +201,10 @@ def run_scan(config: ScanConfig) -> dict[str, Any]:
     needed = len({i for pair in plan.pairs for i in pair})
     progress = _Progress(needed * len(layers), config.progress)
     by_check: dict[int, list[PairRecord]] = defaultdict(list)
+    series = [[r.iteration, r.path, _mtime(r.path)] for r in readers]
     try:
         for layer in layers:
-            cache = PairCache(os.path.join(config.out, CACHE_DIR), layer, _key(config, plan, readers, layer))
+            cache = PairCache(os.path.join(config.out, CACHE_DIR), layer, _key(config, series, readers, layer))
             try:
                 for record in _scan_layer(config, plan, readers, layer, cache, progress, timing):
                     by_check[record.later].append(record)
@@ -220,5 +221,10 @@ def run_scan(config: ScanConfig) -> dict[str, Any]:
         entries += write_report(stage.path, summary, result.checks, layers, routers, result.first_anomaly)
         with open(os.path.join(stage.path, "summary.json"), "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=1, allow_nan=False)  # strict JSON: other tools read it
+        # The old summary goes first and the new one comes last: while the other outputs are
+        # swapped in, no summary.json vouches for a mix of two scans.
+        old = os.path.join(config.out, "summary.json")
+        if os.path.exists(old):
+            os.remove(old)
         stage.commit(entries + ["summary.json"])
     return summary

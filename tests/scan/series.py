@@ -30,6 +30,7 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -162,7 +163,9 @@ def export_hf(src: Path, out: Path, fused: bool, num_heads: int = HEADS) -> Path
     key = "decoder.layers.self_attention.linear_qkv.weight"
     meta = FileSystemReader(str(src)).read_metadata().state_dict_metadata[key]
     state = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)}
-    dcp.load(state, storage_reader=FileSystemReader(str(src)), no_dist=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")  # one process: intended
+        dcp.load(state, storage_reader=FileSystemReader(str(src)), no_dist=True)
     qkv = state[key]  # [layers, rows, hidden]
     head_dim = qkv.shape[1] // (3 * num_heads)
     q_rows, k_rows = qkv_row_indices(num_heads, num_heads, head_dim)
