@@ -173,7 +173,7 @@ def _summary(config: ScanConfig, plan: ScanPlan, readers: list[CheckpointReader]
         "window": config.window,
         "false_alarm_rate": config.false_alarm_rate,
         "detector": result.thresholds,
-        "notes": list(plan.notes) + list(result.thresholds.get("notes", [])),
+        "notes": list(plan.notes) + list(result.thresholds.get("notes", [])) + _warmup_note(plan, result),
         "timing": {
             "pairs_computed_this_run": int(pairs_done),
             "layer_pairs_computed_this_run": computed,
@@ -185,6 +185,14 @@ def _summary(config: ScanConfig, plan: ScanPlan, readers: list[CheckpointReader]
                         "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()},
         },
     }
+
+
+def _warmup_note(plan: ScanPlan, result: ReplayResult) -> list[str]:
+    warmup = int(result.thresholds["design"]["warmup_checks"])
+    if len(plan.pairs) > warmup:
+        return []
+    return [f"only {len(plan.pairs)} pairs: the detector's warm-up takes the first {warmup} checks (max(5, "
+            f"ceil(200 / {plan.interval} steps))), so this series was not judged; 'no anomaly' means no data"]
 
 
 def _heads_json(reader: CheckpointReader, layer: int) -> dict[str, int]:
