@@ -198,3 +198,28 @@ def test_every_judges_every_kth_checkpoint_and_reuses_cached_pairs(small, tmp_pa
     assert (sparse["interval_steps"], sparse["window_steps"]) == (40, 20)
     assert sparse["timing"]["layer_pairs_computed_this_run"] == 0  # both pairs were in the cache
     assert sparse["detector"]["checks_per_million_steps"] == 1e6 / 40
+
+
+def test_ctrl_c_mid_scan_exits_130_and_the_rerun_continues(small, tmp_path, monkeypatch, capsys):
+    """A KeyboardInterrupt at the 4th layer-pair (as Ctrl-C would raise it): exit 130, no summary,
+    the 3 finished layer-pairs durable in the cache; the same command then computes only the rest."""
+    from mechmon_megatron.scan import runner
+
+    real, calls = runner.compute_pair, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    out = tmp_path / "out"
+    argv = [str(small), "--out", str(out), "--num-attention-heads", "4", "--no-progress"]
+    monkeypatch.setattr(runner, "compute_pair", interrupted)
+    assert main(argv) == 130
+    assert "rerun the same command to continue" in capsys.readouterr().err
+    _nothing_written(out)
+    monkeypatch.setattr(runner, "compute_pair", real)
+    assert main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["timing"]["layer_pairs_computed_this_run"] == 3  # of 3 pairs x 2 layers
