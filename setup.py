@@ -9,12 +9,15 @@ EXTRAS = {
     "megatron": ["megatron-core>=0.16.1"],
     "deepspeed": ["deepspeed>=0.17"],
     "flash": ["flash-attn>=2.6"],  # GPU only
+    # mechmon-scan: safetensors folders, TensorBoard events, the HTML report's plots, the progress bar.
+    "scan": ["safetensors>=0.4", "tensorboard>=2.16", "matplotlib>=3.8", "tqdm>=4.66"],
     "test": [
         "pytest>=8",
         "hypothesis>=6.100",
         "tensorboard>=2.16",
         "matplotlib>=3.8",
         "tqdm>=4.66",
+        "safetensors>=0.4",
     ],
 }
 
@@ -52,6 +55,7 @@ setup(
     entry_points={"console_scripts": [
         "mechmon-patch=mechmon_megatron.adapters.megatron_lm.patch_tool:main",
         "mechmon-plan=mechmon_megatron.plan.cli:main",
+        "mechmon-scan=mechmon_megatron.scan.cli:main",
     ]},
     license="Apache-2.0",
 )

@@ -11,7 +11,11 @@ Every ``import`` statement counts, including those inside functions (lazy import
   megatron-core models); the DeepSpeed adapter never imports megatron, the megatron adapters never
   import deepspeed;
 * the product (everything but ``research`` and ``testing``) never imports ``research`` or ``testing``;
-* ``plan`` (the planner): the core, the session, itself, torch and the standard library only.
+* ``plan`` (the planner): the core, the session, itself, torch and the standard library only;
+* ``scan`` (mechmon-scan): its logic imports the core, the session and itself, no host framework,
+  no checkpoint library; only its format readers (``scan/readers``) may import a host framework or
+  ``safetensors``, each only its own (the DeepSpeed reader never imports megatron, no reader
+  imports an adapter, ``cli`` or another reader's library).
 """
 
 from __future__ import annotations
@@ -90,7 +94,7 @@ PRODUCT = [f for f in _files() if not _under(_module_name(f), _own("research"), 
 
 
 def test_the_tree_has_the_layers_this_test_knows():
-    for sub in ("monitors", "detect", "session", "cli", "plan", "research", "testing",
+    for sub in ("monitors", "detect", "session", "cli", "plan", "research", "testing", "scan", "scan/readers",
                 *(f"adapters/{a}" for a in ADAPTERS)):
         assert (PACKAGE / sub / "__init__.py").is_file(), sub
     assert {p.name for p in (PACKAGE / "adapters").iterdir() if p.is_dir() and p.name != "__pycache__"} == set(ADAPTERS)
@@ -149,6 +153,40 @@ def test_plan_imports_core_session_torch_and_stdlib_only():
 
 def test_product_never_imports_research_or_testing():
     bad = _violations(PRODUCT, lambda f, n: _under(n, _own("research"), _own("testing")))
+    assert not bad, bad
+
+
+SCAN_READER_LIBRARIES = {
+    "torch_dist.py": (),  # torch.distributed.checkpoint only: no megatron needed to read torch_dist
+    "megatron_legacy.py": (),
+    "deepspeed_ckpt.py": (),  # plain torch.save files: neither deepspeed nor megatron
+    "safetensors_hf.py": ("safetensors",),
+}
+"""Reader file -> the third-party checkpoint libraries it may import (besides torch)."""
+
+
+def test_scan_logic_imports_core_and_session_only():
+    own = (_own("monitors"), _own("detect"), _own("session"), _own("scan"))
+    logic = [f for f in _files("scan") if "readers" not in f.relative_to(PACKAGE / "scan").parts]
+    bad = _violations(
+        logic,
+        lambda f, n: _under(n, *HOSTS, "safetensors") or (_under(n, PKG) and not _under(n, *own) and n != PKG),
+    )
+    assert not bad, bad
+
+
+def test_scan_readers_import_only_their_own_format_library():
+    readers = _files("scan/readers")
+    known = {f.name for f in readers} - {"__init__.py", "base.py", "layouts.py", "torch_files.py"}
+    assert known == set(SCAN_READER_LIBRARIES), "declare the new reader's libraries in SCAN_READER_LIBRARIES"
+    own = (_own("monitors"), _own("detect"), _own("session"), _own("scan"))
+
+    def forbidden(f: Path, name: str) -> bool:
+        allowed = SCAN_READER_LIBRARIES.get(f.name, ())
+        foreign = [lib for lib in (*HOSTS, "safetensors") if lib not in allowed]
+        return _under(name, *foreign) or (_under(name, PKG) and not _under(name, *own) and name != PKG)
+
+    bad = _violations(readers, forbidden)
     assert not bad, bad
 
 
