@@ -54,6 +54,7 @@ setup(
     package_data={"mechmon_megatron.detect": ["null_tails.json"]},
     entry_points={"console_scripts": [
         "mechmon-patch=mechmon_megatron.adapters.megatron_lm.patch_tool:main",
+        "mechmon-run=mechmon_megatron.adapters.megatron_lm.run:main",
         "mechmon-plan=mechmon_megatron.plan.cli:main",
         "mechmon-scan=mechmon_megatron.scan.cli:main",
     ]},

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""Patch a Megatron-LM checkout for mechmon: ``python tools/mechmon_patch.py check|apply|revert DIR``.
+"""Patch a Megatron-LM checkout for mechmon: ``python tools/mechmon_patch.py status|apply|revert DIR``.
 
-The logic lives in ``mechmon_megatron.adapters.megatron_lm.patch_tool`` (console script ``mechmon-patch``).
+The logic lives in ``mechmon_megatron.adapters.megatron_lm.patch_tool`` (console script ``mechmon-patch``;
+``check`` is the old name of ``status``). No patch is needed with ``mechmon-run`` (docs/MEGATRON_LM.md).
 """
 
 import sys

@@ -3,16 +3,22 @@
 #
 #   MEGATRON_LM_DIR=/path/to/Megatron-LM bash examples/pretrain_scripts/pretrain_gpt_mechmon.sh [extra args]
 #
-# The checkout must carry the mechmon patch (`mechmon-patch apply $MEGATRON_LM_DIR`; the script
-# checks). Defaults: a tiny GPT-MoE on --mock-data, checks every 10 iterations; override with the
+# MECHMON_LAUNCH chooses how mechmon attaches:
+#   run   (default) the checkout stays unmodified: torchrun starts
+#         `-m mechmon_megatron.adapters.megatron_lm.run pretrain_gpt.py ...` (mechmon-run), which
+#         installs the hooks and the --mechmon* flags and validates them at argument parsing.
+#   patch the checkout must carry the mechmon patch (`mechmon-patch apply $MEGATRON_LM_DIR`; the
+#         script checks) and torchrun starts pretrain_gpt.py itself.
+# Defaults: a tiny GPT-MoE on --mock-data, checks every 10 iterations; override with the
 # variables below or append any Megatron-LM / --mechmon-* flag (later flags win).
 # Without a GPU it runs on CPU (tests and laptops only): --transformer-impl local
-# --distributed-backend gloo, started through `-m mechmon_megatron.testing.megatron_lm_cpu`,
-# which makes Megatron-LM run on CPU.
+# --distributed-backend gloo, started through `-m mechmon_megatron.testing.megatron_lm_cpu
+# --launch $MECHMON_LAUNCH`, which makes Megatron-LM run on CPU (and is mechmon-run for `run`).
 #
 # Exit status: Megatron's, except after a mechmon checkpoint-and-abort, which exits with
 # MECHMON_EXIT_CODE (torchrun itself reports any failing worker as 1; the script recognises the
-# abort by the fresh mechmon_alert.json in the latest checkpoint).
+# abort by the fresh mechmon_alert.json in the latest checkpoint). A bad --mechmon* flag: every
+# worker exits 2 at argument parsing, before any process group or model exists.
 set -euo pipefail
 
 : "${MEGATRON_LM_DIR:?set MEGATRON_LM_DIR to the Megatron-LM checkout}"
@@ -29,23 +35,34 @@ MASTER_PORT="${MASTER_PORT:-29511}"
 NNODES="${NNODES:-1}"            # multi-node (the sbatch script): also set RDZV_ENDPOINT=host:port
 RDZV_ENDPOINT="${RDZV_ENDPOINT:-}"
 RDZV_ID="${RDZV_ID:-mechmon}"
+MECHMON_LAUNCH="${MECHMON_LAUNCH:-run}"
+case "$MECHMON_LAUNCH" in
+    run|patch) ;;
+    *) echo "pretrain_gpt_mechmon.sh: MECHMON_LAUNCH must be run or patch, got '$MECHMON_LAUNCH'" >&2; exit 2 ;;
+esac
 
 PYTHON="${PYTHON:-python}"
 export PYTHONPATH="$MEGATRON_LM_DIR:$MECHMON_DIR${PYTHONPATH:+:$PYTHONPATH}"
-"$PYTHON" "$MECHMON_DIR/tools/mechmon_patch.py" check "$MEGATRON_LM_DIR" >/dev/null || {
-    echo "pretrain_gpt_mechmon.sh: $MEGATRON_LM_DIR/pretrain_gpt.py lacks the mechmon patch;" \
-         "run: python $MECHMON_DIR/tools/mechmon_patch.py apply $MEGATRON_LM_DIR" >&2
-    exit 2
-}
+if [ "$MECHMON_LAUNCH" = patch ]; then
+    "$PYTHON" "$MECHMON_DIR/tools/mechmon_patch.py" status "$MEGATRON_LM_DIR" >/dev/null || {
+        echo "pretrain_gpt_mechmon.sh: MECHMON_LAUNCH=patch but $MEGATRON_LM_DIR/pretrain_gpt.py lacks the mechmon" \
+             "patch; run: python $MECHMON_DIR/tools/mechmon_patch.py apply $MEGATRON_LM_DIR (or use MECHMON_LAUNCH=run)" >&2
+        exit 2
+    }
+fi
 
 if "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
     NPROC_PER_NODE="${NPROC_PER_NODE:-$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')}"
     DEVICE_ARGS=(--bf16)
-    ENTRY=(pretrain_gpt.py)
+    if [ "$MECHMON_LAUNCH" = run ]; then
+        ENTRY=(-m mechmon_megatron.adapters.megatron_lm.run pretrain_gpt.py)
+    else
+        ENTRY=(pretrain_gpt.py)
+    fi
 else
     NPROC_PER_NODE="${NPROC_PER_NODE:-2}"
     export CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-    ENTRY=(-m mechmon_megatron.testing.megatron_lm_cpu pretrain_gpt.py)
+    ENTRY=(-m mechmon_megatron.testing.megatron_lm_cpu --launch "$MECHMON_LAUNCH" pretrain_gpt.py)
     DEVICE_ARGS=(--transformer-impl local --distributed-backend gloo --no-gradient-accumulation-fusion
                  --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion
                  --no-rope-fusion --no-persist-layer-norm)

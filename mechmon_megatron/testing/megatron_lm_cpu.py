@@ -1,13 +1,19 @@
 """Run Megatron-LM's own training loop on CPU (gloo): tests and laptops only.
 
-    python -m mechmon_megatron.testing.megatron_lm_cpu pretrain_gpt.py <Megatron-LM flags>
+    python -m mechmon_megatron.testing.megatron_lm_cpu [--launch run|patch] pretrain_gpt.py <flags>
     torchrun --nproc-per-node 2 -m mechmon_megatron.testing.megatron_lm_cpu pretrain_gpt.py ...
 
-runs a patched ``pretrain_gpt.py`` (see ``patches/megatron-lm/``) as ``python pretrain_gpt.py``
-would, except that the CPU layer below is applied when the script calls ``mechmon.install()``
-(after its imports, before ``pretrain``). This is the explicit opt-in of the CPU launchers
-(``examples/pretrain_scripts/pretrain_gpt_mechmon.sh`` without a GPU, ``tests/megatron_lm``):
-the product adapter never applies it.
+``--launch run`` (the default) is ``mechmon-run`` on CPU: an unmodified (or patched)
+``pretrain_gpt.py`` runs through :func:`mechmon_megatron.adapters.megatron_lm.run.main`, which
+installs the hooks and the ``--mechmon*`` flags, and the CPU layer below is applied at its
+``on_enter`` point (the script's first ``parse_args`` / ``parse_and_validate_args`` /
+``pretrain`` call: after its imports, before Megatron initialises) or at the script's own
+``mechmon.install()``, whichever comes first. ``--launch patch`` runs a patched script as
+``python pretrain_gpt.py`` would, with the CPU layer applied at its ``mechmon.install()`` only
+(the patch path without any help of mechmon-run). This is the explicit opt-in of the CPU
+launchers (``examples/pretrain_scripts/pretrain_gpt_mechmon.sh`` without a GPU,
+``tests/megatron_lm``): the product adapter never applies it (``mechmon-run`` has no CPU mode;
+the dependency goes from this testing module to the product, never back).
 
 ``enable_megatron_lm_cpu_compat()`` first applies megatron-core's CPU layer
 (:func:`mechmon_megatron.testing.cpu_megatron.enable_cpu_compat`), then neutralises the CUDA
@@ -233,14 +239,30 @@ def _enable_on_install() -> None:
     alias.install = adapter.install = install
 
 
+LAUNCHES = ("run", "patch")
+USAGE = "usage: python -m mechmon_megatron.testing.megatron_lm_cpu [--launch run|patch] pretrain_gpt.py [ARGS...]"
+
+
 def main(argv: Any = None) -> None:
-    """Run ``SCRIPT ARGS...`` as ``__main__`` with the CPU layer applied at ``install()``."""
+    """Run ``SCRIPT ARGS...`` as ``__main__`` on CPU (see the module docstring for ``--launch``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    launch = "run"
+    if argv and (argv[0] == "--launch" or argv[0].startswith("--launch=")):
+        value = argv[0].partition("=")[2] if "=" in argv[0] else (argv[1] if len(argv) > 1 else "")
+        argv = argv[1:] if "=" in argv[0] else argv[2:]
+        if value not in LAUNCHES:
+            print(f"{USAGE}\nerror: --launch must be one of {LAUNCHES}, got {value!r}", file=sys.stderr)
+            raise SystemExit(2)
+        launch = value
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m mechmon_megatron.testing.megatron_lm_cpu pretrain_gpt.py [ARGS...]")
+        print(USAGE)
         raise SystemExit(0 if argv else 2)
-    script = os.path.abspath(argv[0])
     _enable_on_install()
+    if launch == "run":
+        from mechmon_megatron.adapters.megatron_lm import run
+
+        raise SystemExit(run.main(argv, on_enter=enable_megatron_lm_cpu_compat))
+    script = os.path.abspath(argv[0])
     sys.argv = [script, *argv[1:]]
     sys.path.insert(0, os.path.dirname(script))  # as `python SCRIPT` does
     runpy.run_path(script, run_name="__main__")

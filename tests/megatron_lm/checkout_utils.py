@@ -1,4 +1,4 @@
-"""Shared by the opt-in Megatron-LM tests: a patched, runnable copy of a checkout."""
+"""Shared by the opt-in Megatron-LM tests: a runnable copy of a checkout, patched or not."""
 
 from __future__ import annotations
 
@@ -11,16 +11,22 @@ from mechmon_megatron.adapters.megatron_lm import patch_tool as mp
 SOURCES = ("megatron", "pretrain_gpt.py", "gpt_builders.py", "model_provider.py")
 
 
-def copy_patched_checkout(source: str, root: str) -> str:
-    """Copy the sources pretrain_gpt.py needs (never the .git) to ``root`` and apply our patch."""
+def copy_checkout(source: str, root: str, patch: bool = False) -> str:
+    """Copy the sources pretrain_gpt.py needs (never the .git) to ``root``; ``patch``: apply our
+    patch (the ``mechmon-patch`` way), else leave pretrain_gpt.py unmodified (``mechmon-run``)."""
     os.makedirs(root, exist_ok=True)
     for name in SOURCES:
         src = os.path.join(source, name)
         if os.path.exists(src):
             (shutil.copytree if os.path.isdir(src) else shutil.copy2)(src, os.path.join(root, name))
-    mp.apply(root)
+    if patch:
+        mp.apply(root)
     _provide_dataset_helpers(root)
     return root
+
+
+def copy_patched_checkout(source: str, root: str) -> str:
+    return copy_checkout(source, root, patch=True)
 
 
 def _provide_dataset_helpers(root: str) -> None:

@@ -1,8 +1,9 @@
 """The CPU launcher of Megatron-LM runs (``python -m mechmon_megatron.testing.megatron_lm_cpu``).
 
-A stand-in ``pretrain_gpt.py`` with stub ``megatron.training`` modules (the megatron-core wheel
-has no ``megatron.training``): the CPU layer is applied when the script calls
-``mechmon.install()``, after the script's own imports, and never by ``install()`` alone.
+``--launch patch``: a stand-in patched ``pretrain_gpt.py`` with stub ``megatron.training``
+modules (the megatron-core wheel has no ``megatron.training``): the CPU layer is applied when the
+script calls ``mechmon.install()``, after the script's own imports, and never by ``install()``
+alone. The default ``--launch run`` (mechmon-run on CPU) is tested in ``test_run.py``.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def test_cpu_launcher_applies_the_cpu_layer_at_install(tmp_path):
     script = tmp_path / "pretrain_gpt.py"
     script.write_text(SCRIPT)
     proc = subprocess.run(
-        [sys.executable, "-m", "mechmon_megatron.testing.megatron_lm_cpu", str(script), "--train-iters", "3"],
+        [sys.executable, "-m", "mechmon_megatron.testing.megatron_lm_cpu", "--launch", "patch", str(script),
+         "--train-iters", "3"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )
     assert proc.returncode == 42, proc.stdout + proc.stderr
@@ -70,3 +72,11 @@ def test_install_alone_applies_no_cpu_layer(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 42, proc.stdout + proc.stderr
     assert "applied: []" in proc.stdout and "script torch: module" in proc.stdout
+
+
+def test_unknown_launch_is_a_usage_error(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "mechmon_megatron.testing.megatron_lm_cpu", "--launch", "gpu", "x.py"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )
+    assert proc.returncode == 2 and "--launch must be one of" in proc.stderr

@@ -1,9 +1,14 @@
-"""End to end: Megatron-LM's own pretrain_gpt.py, patched by our tool, on CPU (opt-in).
+"""End to end: Megatron-LM's own pretrain_gpt.py on CPU, both ways (opt-in).
+
+``launch=patch``: a copy patched by ``mechmon-patch``, run by the CPU launcher with ``--launch
+patch`` (the script's own ``mechmon.install()``); ``launch=run``: an unmodified copy, run by the
+CPU launcher's default ``--launch run`` (``mechmon-run`` plus the CPU layer).
 
 Needs a Megatron-LM checkout (core_v0.16.x tested): ``MEGATRON_LM_DIR=/path/to/Megatron-LM
-MECHMON_SLOW=1 pytest tests/megatron_lm/test_e2e.py``. Packages Megatron-LM imports beyond the
-project's (six, regex, pyyaml, pydantic, psutil, triton on 0.16.1) may live in a separate
-directory named by ``MECHMON_E2E_PYTHONPATH``. The checkout is copied; it is never modified.
+MECHMON_SLOW=1 pytest tests/megatron_lm/test_e2e.py`` (``-k run`` or ``-k patch`` for one way).
+Packages Megatron-LM imports beyond the project's (six, regex, pyyaml, pydantic, psutil, triton
+on 0.16.1) may live in a separate directory named by ``MECHMON_E2E_PYTHONPATH``. The checkout is
+copied; it is never modified.
 
 Two ranks (gloo, plain processes so each rank's exit code is visible), a tiny GPT-MoE on mock
 data, ``--mechmon-drill-at 20 --mechmon-action checkpoint-and-abort``; then a resume to 30.
@@ -19,7 +24,7 @@ import subprocess
 import sys
 
 import pytest
-from checkout_utils import copy_patched_checkout
+from checkout_utils import copy_checkout
 
 from mechmon_megatron.adapters.megatron_lm import patch_tool as mp
 
@@ -27,6 +32,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR")
 WORLD = 2
 CPU_LAUNCH = [sys.executable, "-m", "mechmon_megatron.testing.megatron_lm_cpu"]  # pretrain_gpt.py on CPU
+LAUNCHES = ("patch", "run")
 EXIT_CODE = 42
 
 pytestmark = [
@@ -57,17 +63,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def checkout(tmp_path_factory):
-    """A patched copy of the checkout (sources only), with the dataset helpers available."""
-    root = str(tmp_path_factory.mktemp("megatron_lm") / "Megatron-LM")
-    copy_patched_checkout(MEGATRON_LM_DIR, root)
-    assert mp.check(root).overall == "applied"
-    return root
+@pytest.fixture(scope="module", params=LAUNCHES)
+def checkout(request, tmp_path_factory):
+    """A copy of the checkout (sources only), patched for ``launch=patch``, unmodified for
+    ``launch=run``, with the dataset helpers available; returns (root, launch)."""
+    root = str(tmp_path_factory.mktemp(f"megatron_lm_{request.param}") / "Megatron-LM")
+    copy_checkout(MEGATRON_LM_DIR, root, patch=request.param == "patch")
+    assert mp.check(root).overall == ("applied" if request.param == "patch" else "not applied")
+    return root, request.param
 
 
-def launch(checkout: str, workdir: str, extra: list[str], tag: str) -> tuple[list[int], str]:
+def launch(checkout, workdir: str, extra: list[str], tag: str) -> tuple[list[int], str]:
     """Start WORLD ranks of pretrain_gpt.py as torchrun would; return exit codes and rank 0+last logs."""
+    checkout, how = checkout
     env = dict(os.environ)
     paths = [checkout, REPO] + [p for p in os.environ.get("MECHMON_E2E_PYTHONPATH", "").split(os.pathsep) if p]
     env.update(
@@ -83,7 +91,7 @@ def launch(checkout: str, workdir: str, extra: list[str], tag: str) -> tuple[lis
         with open(log, "w") as out:
             procs.append(
                 subprocess.Popen(
-                    CPU_LAUNCH + ["pretrain_gpt.py"] + common + extra,
+                    CPU_LAUNCH + ["--launch", how, "pretrain_gpt.py"] + common + extra,
                     cwd=checkout,
                     env=rank_env,
                     stdout=out,

@@ -5,7 +5,8 @@ Megatron-LM checkout in ``MEGATRON_LM_DIR`` and ``MECHMON_SLOW=1``; Megatron-LM'
 may live in ``MECHMON_E2E_PYTHONPATH``. The daemons run from a temporary directory with their own
 slurm.conf and munge key, and are stopped by pid; no system configuration is touched.
 
-The job runs pretrain_gpt_mechmon.sbatch (2 CPU ranks) with a drill at iteration 20 and
+The job runs pretrain_gpt_mechmon.sbatch (2 CPU ranks, the default MECHMON_LAUNCH=run on an
+unmodified copy of the checkout) with a drill at iteration 20 and
 checkpoint-and-abort: it must end with exit code 42 and must NOT be requeued.
 """
 
@@ -22,7 +23,7 @@ import sys
 import time
 
 import pytest
-from checkout_utils import copy_patched_checkout
+from checkout_utils import copy_checkout
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR")
@@ -137,7 +138,7 @@ def _free_port() -> int:
 
 def test_sbatch_abort_exits_42_and_is_not_requeued(cluster, tmp_path):
     env, base = cluster
-    checkout = copy_patched_checkout(MEGATRON_LM_DIR, str(tmp_path / "Megatron-LM"))
+    checkout = copy_checkout(MEGATRON_LM_DIR, str(tmp_path / "Megatron-LM"))  # unmodified: MECHMON_LAUNCH=run
     run_dir = tmp_path / "run"
     extra = [p for p in os.environ.get("MECHMON_E2E_PYTHONPATH", "").split(os.pathsep) if p]
     job_env = dict(

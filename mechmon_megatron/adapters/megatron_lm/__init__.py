@@ -1,7 +1,8 @@
 """Megatron-LM adapter: the monitors inside Megatron-LM's own ``pretrain_gpt.py``.
 
-Two calls in ``pretrain_gpt.py`` (see ``patches/megatron-lm/``) attach the monitoring session to
-an unmodified Megatron-LM training loop::
+``mechmon-run pretrain_gpt.py ARGS`` (:mod:`.run`) attaches the monitoring session to an
+unmodified Megatron-LM training loop from outside; or two calls in ``pretrain_gpt.py`` (written
+by ``mechmon-patch``, see ``patches/README.md``) do::
 
     from mechmon_megatron import megatron_lm as mechmon
     mechmon.install()
@@ -9,8 +10,10 @@ an unmodified Megatron-LM training loop::
 
 Files, one job each: ``flags`` (the ``--mechmon*`` flags as an ``extra_args_provider``),
 ``hooks`` (:class:`MegatronLMHooks`: build the session, run checks, save-and-exit, detector
-state beside each checkpoint), ``install`` (wrap ``megatron.training.training``),
-``patch_tool`` (``mechmon-patch``: apply / check / revert the patch of a checkout).
+state beside each checkpoint), ``install`` (wrap ``megatron.training.training``), ``run``
+(``mechmon-run``: hooks, flags and parse-time validation, then the unmodified script),
+``anchors`` (the three insertion points of ``pretrain_gpt.py``, located by content),
+``patch_tool`` (``mechmon-patch``: apply / status / revert).
 
 Scalars go to Megatron's own TensorBoard (``get_tensorboard_writer()``, last rank) and W&B
 (``get_wandb_writer()``) writers when they exist, else to ``--mechmon-log-dir``. Flags, scalar

@@ -5,14 +5,31 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
-from mechmon_megatron.cli.args import ArgsProvider, add_mechmon_args, chain_providers
+from mechmon_megatron.cli.args import ArgsProvider, add_mechmon_args
+
+
+def has_mechmon_flags(parser: argparse.ArgumentParser) -> bool:
+    """True when ``parser`` already has ``--mechmon`` (a patched script's provider added it)."""
+    return "--mechmon" in getattr(parser, "_option_string_actions", {})
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron ``extra_args_provider``: adds the ``--mechmon*`` flags."""
-    return add_mechmon_args(parser)
+    """Megatron ``extra_args_provider``: adds the ``--mechmon*`` flags (once per parser)."""
+    return parser if has_mechmon_flags(parser) else add_mechmon_args(parser)
+
+
+def with_mechmon_flags(existing: Optional[ArgsProvider] = None) -> ArgsProvider:
+    """One provider adding ``existing``'s flags (e.g. ModelOpt's, may be None), then ours unless
+    ``existing`` already did: a patched script started through ``mechmon-run`` gets them once."""
+
+    def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        if existing is not None:
+            parser = existing(parser) or parser
+        return add_arguments(parser)
+
+    return provider
 
 
 def extra_args_provider(existing: Optional[ArgsProvider] = None) -> ArgsProvider:
-    """One provider adding ``existing``'s flags (e.g. ModelOpt's, may be None) and ours."""
-    return chain_providers(existing, add_mechmon_args)
+    """What the patched ``pretrain_gpt.py`` passes: ``existing``'s flags and ours (see above)."""
+    return with_mechmon_flags(existing)

@@ -13,6 +13,9 @@ and current main):
   every rank, so Megatron's own ``checkpoint_and_decide_exit`` saves a checkpoint at this
   iteration (when ``--save`` is set) and leaves the loop.
 * ``save_checkpoint``: after each persistent save, the detector state is written beside it.
+* argument parsing (``megatron.training.arguments.parse_args`` / ``parse_and_validate_args``, see
+  :mod:`.run`): the ``--mechmon*`` flags are added once and validated when parsed, before any
+  process group or model exists (exit status 2 naming the flag).
 * ``train``: Megatron ends an early exit with ``sys.exit(0)`` after the loop (async saves
   finalized first). When the exit was ours, the wrapper writes ``mechmon_alert.json`` beside the
   abort checkpoint, waits for the writer rank (barrier), and exits with ``--mechmon-exit-code``
@@ -148,7 +151,25 @@ def install(training_module: Any = None) -> MegatronLMHooks:
         )
     wrap_training_module(training, hooks)
     training._mechmon_hooks = hooks
+    if training_module is None:
+        _validate_flags_at_parse()
     return hooks
+
+
+def _validate_flags_at_parse() -> None:
+    """Check the ``--mechmon*`` flags when Megatron parses its arguments (a patched script calls
+    ``install()`` before its parsing call), as ``mechmon-run`` does (:mod:`.run`); where that is
+    not possible they are checked when the session is built, at the first training step."""
+    try:
+        arguments = importlib.import_module("megatron.training.arguments")
+    except ImportError:
+        return
+    from mechmon_megatron.adapters.megatron_lm import run
+
+    try:
+        run.wrap_argument_parsing(arguments)
+    except run.LaunchError as exc:
+        logger.warning("[mechmon] %s; the --mechmon flags are checked at the first training step instead", exc)
 
 
 def _has_callback_api() -> bool:

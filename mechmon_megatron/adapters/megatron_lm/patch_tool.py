@@ -1,17 +1,24 @@
-"""Apply, check and revert mechmon's patch of a Megatron-LM checkout (``mechmon-patch``).
+"""Apply, check and revert mechmon's edit of a Megatron-LM checkout (``mechmon-patch``).
 
-    python tools/mechmon_patch.py check  MEGATRON_LM_DIR   # exit 0 applied, 1 not applied, 2 refused
-    python tools/mechmon_patch.py apply  MEGATRON_LM_DIR   # idempotent
-    python tools/mechmon_patch.py revert MEGATRON_LM_DIR   # exact reverse of the patch
+    mechmon-patch status MEGATRON_LM_DIR   # exit 0 applied, 1 not applied, 2 refused (alias: check)
+    mechmon-patch apply  MEGATRON_LM_DIR   # idempotent
+    mechmon-patch revert MEGATRON_LM_DIR   # byte-identical original
 
-The release is read from ``megatron/core/package_info.py`` (MAJOR, MINOR) and mapped to a patch
-set under ``patches/megatron-lm/`` (``RELEASES``); ``--release NAME`` overrides the detection.
-Pure Python (no ``patch`` or ``git`` binary). Safety:
+By default (``--release auto``) the three insertion points of ``pretrain_gpt.py`` (the import
+block, the parsing call -- ``pretrain(`` up to core_v0.17, ``parse_and_validate_args(`` from
+core_v0.18 on -- and its ``extra_args_provider`` argument, present or absent) are located by
+content on the parsed file (:mod:`.anchors`), so any release from core_v0.16 on with the same
+structure is supported without a new patch file. The release (``megatron/core/package_info.py``)
+is only reported, and releases older than core_v0.16 are refused. ``--release NAME`` instead
+applies the frozen unified diff ``patches/megatron-lm/NAME/*.patch`` (exact context; the line
+number is a hint); both ways write byte-identical results on the releases those diffs cover.
+Pure Python (no ``patch`` or ``git`` binary). Safety, in both ways:
 
-* every hunk is located (exact context, unique match; the line number in the diff is only a
-  hint) for every file BEFORE anything is written; any mismatch refuses with the tree unchanged;
-* a file already carrying the patch is left alone (``apply`` twice = no change);
-* a file matching neither side (edited by hand, another release) is ``modified``: refused;
+* every change is located (and, by content, the result is parsed and reverted in memory to the
+  byte-identical original) BEFORE anything is written; any doubt refuses with the tree unchanged;
+* a file already carrying the edit is left alone (``apply`` twice = no change);
+* a file matching neither side (edited by hand, partially patched, another structure) is
+  ``modified``: refused, with the reason (the file and what was expected);
 * files are written atomically (temporary file + ``os.replace``), keeping their mode.
 """
 
@@ -24,13 +31,13 @@ import re
 import sys
 import tempfile
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Sequence
+from typing import Literal, Optional, Sequence, cast
 
-# (MAJOR, MINOR) of megatron/core/package_info.py -> patch set directory under patches/megatron-lm.
-RELEASES: dict[tuple[int, int], str] = {
-    (0, 16): "core_v0.16.x",
-    (0, 20): "main",  # Megatron-LM main as of 2026-08 (package_info 0.20.0, pretrain(full_config, ...))
-}
+from mechmon_megatron.adapters.megatron_lm import anchors
+
+AUTO = "auto"
+SCRIPT = "pretrain_gpt.py"
+MIN_RELEASE = (0, 16)  # the oldest release whose training loop install() is known to hook
 PACKAGE_INFO = os.path.join("megatron", "core", "package_info.py")
 Status = Literal["applied", "not applied", "modified"]
 
@@ -188,18 +195,15 @@ def default_patches_dir() -> str:
     return os.path.join(sys.prefix, "share", "mechmon-megatron", "patches", "megatron-lm")
 
 
-def select_release(root: str, release: Optional[str], patches_dir: str) -> str:
-    if release is None:
-        version = detect_release(root)
-        release = RELEASES.get(version[:2])
-        if release is None:
-            supported = ", ".join(f"{a}.{b}.x ({name})" for (a, b), name in sorted(RELEASES.items()))
-            raise PatchError(
-                f"Megatron-LM {'.'.join(map(str, version))} has no mechmon patch set (supported: {supported}). "
-                "Apply the three-line change of patches/README.md by hand, or force a set with --release NAME."
-            )
+def select_release(release: str, patches_dir: str) -> str:
+    """A pinned patch set (a directory of ``*.patch`` files under ``patches_dir``)."""
     if not os.path.isdir(os.path.join(patches_dir, release)):
-        raise PatchError(f"patch set {release!r} not found in {os.path.normpath(patches_dir)}")
+        available = sorted(d for d in os.listdir(patches_dir) if os.path.isdir(os.path.join(patches_dir, d))) \
+            if os.path.isdir(patches_dir) else []
+        raise PatchError(
+            f"patch set {release!r} not found in {os.path.normpath(patches_dir)} "
+            f"(available: {', '.join(available) or 'none'}; or --release {AUTO})"
+        )
     return release
 
 
@@ -215,14 +219,19 @@ def load_patches(patches_dir: str, release: str) -> list[FilePatch]:
     return patches
 
 
-def _read_lines(root: str, patch: FilePatch) -> tuple[list[str], bool]:
-    path = os.path.join(root, patch.path)
+def _read_text(root: str, name: str) -> str:
+    path = os.path.join(root, name)
     if not os.path.isfile(path):
-        raise PatchError(f"{patch.path} not found under {root}")
+        raise PatchError(f"{name} not found under {root}")
     with open(path, encoding="utf-8", newline="") as f:
         text = f.read()
-    if "\r\n" in text:
-        raise PatchError(f"{patch.path} has Windows line endings; the patch expects '\\n'")
+    if "\r\n" in text or "\r" in text:
+        raise PatchError(f"{name} has Windows line endings; mechmon-patch expects '\\n'")
+    return text
+
+
+def _read_lines(root: str, patch: FilePatch) -> tuple[list[str], bool]:
+    text = _read_text(root, patch.path)
     return text.split("\n")[:-1] if text.endswith("\n") else text.split("\n"), text.endswith("\n")
 
 
@@ -243,9 +252,10 @@ def _write_atomic(path: str, lines: list[str], final_newline: bool) -> None:
 
 @dataclass
 class Report:
-    release: str
+    release: str  # what was used: "Megatron-LM 0.19.1, located by content" or a pinned patch set name
     status: dict[str, Status]
     changed: list[str] = field(default_factory=list)
+    reasons: dict[str, str] = field(default_factory=dict)
 
     @property
     def overall(self) -> Status:
@@ -253,9 +263,24 @@ class Report:
         return states.pop() if len(states) == 1 else "modified"
 
 
+def _content_check(root: str) -> Report:
+    version = detect_release(root)
+    if version[:2] < MIN_RELEASE:
+        raise PatchError(
+            f"Megatron-LM {'.'.join(map(str, version))} is older than core_v{MIN_RELEASE[0]}.{MIN_RELEASE[1]}, "
+            "the oldest release mechmon supports; nothing was changed"
+        )
+    status, why = anchors.state(_read_text(root, SCRIPT), SCRIPT)
+    label = f"Megatron-LM {'.'.join(map(str, version))}, located by content"
+    return Report(label, {SCRIPT: cast(Status, status)}, reasons={SCRIPT: why})
+
+
 def check(root: str, release: Optional[str] = None, patches_dir: Optional[str] = None) -> Report:
+    """Status of the checkout; ``release`` None / ``auto``: by content, else a pinned patch set."""
+    if release in (None, AUTO):
+        return _content_check(root)
     patches_dir = patches_dir or default_patches_dir()
-    release = select_release(root, release, patches_dir)
+    release = select_release(release, patches_dir)
     status = {}
     for patch in load_patches(patches_dir, release):
         lines, _ = _read_lines(root, patch)
@@ -263,24 +288,40 @@ def check(root: str, release: Optional[str] = None, patches_dir: Optional[str] =
     return Report(release, status)
 
 
+def _refusal(report: Report) -> PatchError:
+    bad = [p for p, s in report.status.items() if s == "modified"] or list(report.status)
+    if report.reasons:
+        why = "; ".join(report.reasons.get(p, "") for p in bad)
+        return PatchError(f"{why}. Nothing was changed. Restore the file (e.g. `git checkout -- {bad[0]}`), apply "
+                          "the change by hand (patches/README.md), or start with mechmon-run (no patch needed).")
+    return PatchError(
+        f"{', '.join(bad)} matches neither the original nor the patched {report.release} file "
+        "(edited by hand, or another release?); nothing was changed. "
+        "Restore the file (e.g. `git checkout -- pretrain_gpt.py`), apply the change by hand, or use --release auto."
+    )
+
+
 def _transform(root: str, release: Optional[str], patches_dir: Optional[str], reverse: bool) -> Report:
     report = check(root, release, patches_dir)
     if report.overall == "modified":
-        bad = [p for p, s in report.status.items() if s == "modified"] or list(report.status)
-        raise PatchError(
-            f"{', '.join(bad)} matches neither the original nor the patched {report.release} file "
-            "(edited by hand, or another release?); nothing was changed. "
-            "Restore the file (e.g. `git checkout -- pretrain_gpt.py`) or apply the change by hand."
-        )
+        raise _refusal(report)
     target: Status = "not applied" if reverse else "applied"
     if report.overall == target:
         return report  # idempotent: nothing to do
-    patches = load_patches(patches_dir or default_patches_dir(), report.release)
-    pending = []
-    for patch in patches:  # everything in memory first: no half-applied tree
-        lines, newline = _read_lines(root, patch)
-        hunks = patch.reversed().hunks if reverse else patch.hunks
-        pending.append((os.path.join(root, patch.path), _apply_hunks(lines, hunks, patch.path), newline, patch.path))
+    pending = []  # everything in memory first: no half-applied tree
+    if release in (None, AUTO):
+        text = _read_text(root, SCRIPT)
+        try:
+            lines = anchors.plan_revert(text, SCRIPT) if reverse else anchors.plan_apply(text, SCRIPT)
+        except anchors.AnchorError as exc:
+            raise PatchError(f"{exc}; nothing was changed") from None
+        pending.append((os.path.join(root, SCRIPT), lines, text.endswith("\n"), SCRIPT))
+    else:
+        for patch in load_patches(patches_dir or default_patches_dir(), report.release):
+            lines, newline = _read_lines(root, patch)
+            hunks = patch.reversed().hunks if reverse else patch.hunks
+            pending.append((os.path.join(root, patch.path), _apply_hunks(lines, hunks, patch.path), newline,
+                            patch.path))
     for path, lines, newline, name in pending:
         _write_atomic(path, lines, newline)
         report.changed.append(name)
@@ -302,17 +343,20 @@ EXIT_APPLIED, EXIT_NOT_APPLIED, EXIT_REFUSED = 0, 1, 2
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="mechmon-patch", description="Patch a Megatron-LM checkout for mechmon.")
-    parser.add_argument("command", choices=("check", "apply", "revert"))
+    parser.add_argument("command", choices=("status", "check", "apply", "revert"), help="check = status")
     parser.add_argument("megatron_lm_dir", help="root of the Megatron-LM checkout (holds pretrain_gpt.py)")
     parser.add_argument(
-        "--release", default=None, help=f"patch set to use instead of detecting it: {sorted(set(RELEASES.values()))}"
+        "--release",
+        default=AUTO,
+        help="auto (default): locate the edits by content, for any release from core_v0.16 on; or the name of a "
+        "frozen patch set under --patches-dir (core_v0.16.x, main) to apply that exact diff",
     )
     parser.add_argument(
         "--patches-dir", default=None, help="directory holding the patch sets (default: patches/megatron-lm)"
     )
     args = parser.parse_args(argv)
     try:
-        if args.command == "check":
+        if args.command in ("status", "check"):
             report = check(args.megatron_lm_dir, args.release, args.patches_dir)
         elif args.command == "apply":
             report = apply(args.megatron_lm_dir, args.release, args.patches_dir)
@@ -330,7 +374,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             else status
         )
         print(f"{path}: {verb} ({report.release})")
-    if args.command == "check":
+        if args.command in ("status", "check") and status == "modified" and path in report.reasons:
+            print(f"  {report.reasons[path]}")
+    if args.command in ("status", "check"):
         return {"applied": EXIT_APPLIED, "not applied": EXIT_NOT_APPLIED}.get(report.overall, EXIT_REFUSED)
     return 0
 
