@@ -85,21 +85,20 @@ def build_mcore_session(
             reduce_group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
         else:
             reduce_group = ps.get_data_parallel_group(with_context_parallel=True)
+        dp_group = ps.get_data_parallel_group(with_context_parallel=True)
         comm = TorchDistributedCommunicator(writer_rank=writer_rank)
     else:
-        tp_group, dp_rank, dp, tp_rank, reduce_group = None, 0, 1, 0, None
+        tp_group, dp_rank, dp, tp_rank, reduce_group, dp_group = None, 0, 1, 0, None, None
         comm = LocalCommunicator()
-    dp_group = _parallel_state().get_data_parallel_group(with_context_parallel=True) if distributed else None
+    layer_names = {id(item.module.linear_qkv.weight): f"layer {item.layer_number} ({item.name})"
+                   for item in found_attention}
     notices: set[str] = set()
 
     def weight_source(param: torch.nn.Parameter):
         # Decided at start-up from the layout only, so every DP rank agrees on collective reads.
-        reader, _ = weight_reader(param, optimizer, dp_group, layer=names_of.get(id(param), ""),
+        reader, _ = weight_reader(param, optimizer, dp_group, layer=layer_names.get(id(param), ""),
                                   setting=config.weights, notices=notices)
         return reader
-
-    names_of = {id(item.module.linear_qkv.weight): f"layer {item.layer_number} ({item.name})"
-                for item in found_attention}
 
     holder: dict[str, MonitoringSession] = {}
     # Every rank lists its stage's layers: the work is spread over the DP x TP ranks (sites.py).
