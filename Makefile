@@ -1,17 +1,30 @@
-# Two commands for a new user: `make demo` (the main job) and `make test` (lint, then the whole suite).
-# Both create .venv on first use; nothing needs installing by hand.
+# Two commands for a new user: `make demo` (the main job) and `make test` (lint, then the whole suite);
+# `make test-current` runs the suite again on Python 3.12 with megatron-core 0.19 (.venv-current).
+# Each creates its venv on first use; nothing needs installing by hand.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mechmon-installed
 PYTEST_ARGS ?=
 
-.PHONY: venv lint test test-slow demo bench gpu-wheels clean
+# The current leg: Python 3.12, torch from the package index (a CUDA build that runs on CPU),
+# megatron-core 0.19.x, DeepSpeed (tools/requirements/pinned-current.txt); see tests/README.md.
+VENV_CURRENT ?= .venv-current
+PY_CURRENT := $(VENV_CURRENT)/bin/python
+STAMP_CURRENT := $(VENV_CURRENT)/.mechmon-installed
+
+.PHONY: venv venv-current lint test test-current test-slow demo bench gpu-wheels clean
 
 $(STAMP): setup.py pyproject.toml tools/requirements/pinned-cpu.txt tools/bootstrap_venv.sh
 	bash tools/bootstrap_venv.sh $(VENV)
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+$(STAMP_CURRENT): setup.py pyproject.toml tools/requirements/pinned-current.txt tools/bootstrap_current_venv.sh
+	bash tools/bootstrap_current_venv.sh $(VENV_CURRENT)
+	touch $(STAMP_CURRENT)
+
+venv-current: $(STAMP_CURRENT)
 
 # ruff (style, imports, bugbear, pyupgrade) on the whole tree; mypy on the core and the session.
 # Configuration: pyproject.toml.
@@ -21,6 +34,10 @@ lint: $(STAMP)
 
 test: lint
 	$(PY) -m pytest tests -q --durations=15 $(PYTEST_ARGS)
+
+# The whole suite on the current stack (no lint: `make test` lints the same tree).
+test-current: $(STAMP_CURRENT)
+	$(PY_CURRENT) -m pytest tests -q --durations=15 $(PYTEST_ARGS)
 
 # Opt-in slow tests (long fault-study runs, end-to-end Megatron-LM, SLURM): see tests/README.md.
 test-slow: $(STAMP)
@@ -38,4 +55,4 @@ gpu-wheels:
 	bash tools/gpu_check/fetch_wheels.sh
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VENV_CURRENT) .pytest_cache .hypothesis

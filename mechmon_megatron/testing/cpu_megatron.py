@@ -43,6 +43,21 @@ Patches (see ``PATCHES`` for the exact module list):
    parameters by ``Tensor.type()`` against CUDA type names (``'torch.cuda.BFloat16Tensor'``) in
    their constructors and raise TypeError for CPU tensors; during those two constructors only, a
    CPU tensor's ``type()`` answers with the CUDA name.
+8. ``cuda-stream-stub`` (megatron-core >= 0.19): DDP's ``start_grad_sync`` (in
+   ``param_and_grad_buffer``, a module of patch 1) now asks ``torch.cuda.current_stream()`` for
+   the stream that must wait on the weight-gradient events of a local CUDA-graph replay, before
+   every gradient reduction, even when no CUDA graph is in use; on a machine without a driver this
+   fails ("Found no NVIDIA driver", or "Torch not compiled with CUDA enabled" with a CPU build
+   of torch) at the first step. The proxy's ``cuda.current_stream()`` returns a stream stand-in
+   whose ``wait_event`` / ``wait_stream`` / ``synchronize`` are no-ops (CPU work is
+   synchronous; no parameter carries a CUDA-graph event on CPU). Reported as applied when the
+   installed ``start_grad_sync`` calls ``current_stream``; megatron-core 0.16 does not, and
+   behaves exactly as before.
+
+Which release needs what (checked on the code paths of ``tests/megatron_core``, ``tests/session``,
+``tests/deepspeed`` and ``python -m gpt_trainer``): megatron-core 0.16.1 (Python 3.11) needs 1-7;
+0.19.2 (Python 3.12, torch's CUDA build on a machine without a GPU) needs 1-3 and 5-8, and binds
+``te_general_gemm`` itself (patch 4 is then skipped).
 
 Not patched (unsupported on CPU, fail loudly): the alltoall/flex MoE token dispatchers (CUDA
 streams), FSDP, CUDA graphs, Transformer Engine. Use ``--moe-token-dispatcher-type allgather``.
@@ -95,6 +110,7 @@ PATCHES: tuple[str, ...] = (
     "torch-norm-sequence-parallel",
     "embedding-tie-cuda",
     "optimizer-type-check",
+    "cuda-stream-stub",
 )
 
 _applied: list[str] = []
@@ -125,6 +141,25 @@ _FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "rand", "ran
               "zeros_like", "ones_like", "full_like")
 
 
+class _CpuStream:
+    """A CUDA stream stand-in on CPU: work is synchronous, so waiting and recording are no-ops."""
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> Any:
+        return event
+
+
+_CPU_STREAM = _CpuStream()
+
+
 class _CpuCuda:
     """Stands in for ``torch.cuda`` inside a patched megatron module."""
 
@@ -138,6 +173,12 @@ class _CpuCuda:
     @staticmethod
     def synchronize(device: Any = None) -> None:
         return None
+
+    # Patch 8 (megatron-core >= 0.19): DDP's start_grad_sync waits on the current stream for
+    # CUDA-graph weight-gradient events before each gradient reduction.
+    @staticmethod
+    def current_stream(device: Any = None) -> _CpuStream:
+        return _CPU_STREAM
 
     # CPU generator stands in for the CUDA generator (patch 2).
     get_rng_state = staticmethod(lambda device="cuda": torch.get_rng_state())
@@ -313,6 +354,18 @@ def _patch_optimizer_type_check() -> bool:
     return patched
 
 
+def _uses_cuda_current_stream() -> bool:
+    """Patch 8 is in the proxy; report it when the proxied DDP bucket group calls current_stream."""
+    try:
+        from megatron.core.distributed import param_and_grad_buffer
+    except ImportError:
+        return False
+    group = getattr(param_and_grad_buffer, "_ParamAndGradBucketGroup", None)
+    code = getattr(getattr(group, "start_grad_sync", None), "__code__", None)
+    return (code is not None and "current_stream" in code.co_names
+            and isinstance(getattr(param_and_grad_buffer, "torch", None), _CpuTorch))
+
+
 def enable_cpu_compat() -> list[str]:
     """Apply the CPU patches once (idempotent); no-op when CUDA is available.
 
@@ -333,6 +386,7 @@ def enable_cpu_compat() -> list[str]:
         ("torch-norm-sequence-parallel", _patch_torch_norm),
         ("embedding-tie-cuda", _patch_embedding_tie),
         ("optimizer-type-check", _patch_optimizer_type_check),
+        ("cuda-stream-stub", _uses_cuda_current_stream),
     ):
         if fn():
             _applied.append(name)
