@@ -12,6 +12,7 @@ import logging
 import sys
 from typing import Optional, Sequence
 
+from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE
 from mechmon_megatron.scan.config import ScanConfig
 from mechmon_megatron.scan.errors import ScanInputError
 
@@ -44,8 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--every", type=int, default=1, help="judge every k-th checkpoint (default 1)")
     p.add_argument("--window", type=int, default=1,
                    help="compare checkpoint t with t - k, in checkpoints (default 1: consecutive pairs)")
-    p.add_argument("--false-alarm-rate", type=float, default=0.01,
-                   help="expected false alarms per 10^6 training steps for the whole scan (default 0.01)")
+    p.add_argument("--false-alarm-rate", type=float, default=DEFAULT_FALSE_ALARM_RATE,
+                   help="expected false alarms per 10^6 training steps for the whole scan "
+                        f"(default {DEFAULT_FALSE_ALARM_RATE:g})")
     p.add_argument("--detector-calibration", default=None,
                    help="null-tail JSON of your healthy runs (tools/calibrate_detector.py); default: shipped")
     p.add_argument("--alpha", type=float, default=2.0, help="spectral-entropy exponent (default 2)")

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal, Optional
 
+from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE
 from mechmon_megatron.scan.errors import ScanInputError
 
 __all__ = ["ScanConfig"]
@@ -32,7 +33,7 @@ class ScanConfig:
     """Compare checkpoint t with checkpoint t - window (``--window``, in checkpoints): the
     increment window is ``window`` x the save interval in steps."""
 
-    false_alarm_rate: float = 0.01
+    false_alarm_rate: float = DEFAULT_FALSE_ALARM_RATE
     """Expected false alarms per 10^6 training steps for the whole scan (``--false-alarm-rate``),
     as the online ``--mechmon-false-alarm-rate``."""
 

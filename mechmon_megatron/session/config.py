@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
+from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE
+
 MONITOR_FAMILIES = ("attn", "router")
 ACTIONS = ("log", "warn", "checkpoint-and-abort")
 SNAPSHOT_DEVICES = ("auto", "device", "cpu", "pinned")
@@ -107,7 +109,7 @@ class MechmonConfig:
     otherwise absorb, without alarming on a healthy router that sharpens slowly over a long run.
     ``0`` turns it off; top-1 routers have no floor under ``"topk"`` (exp(H) >= 1 always)."""
 
-    false_alarm_rate: float = 0.01
+    false_alarm_rate: float = DEFAULT_FALSE_ALARM_RATE
     """Expected false alarms per 1,000,000 training steps for the whole job: the one setting of
     the detector. Every CUSUM threshold follows from it through the measured null tails and a
     union bound over the job's tests and checks (docs/METHOD.md, "The whole-job detector")."""

@@ -53,7 +53,7 @@ WORKER = textwrap.dedent(
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from mechmon_megatron.adapters.megatron_core import main_params
-    from mechmon_megatron.adapters.megatron_core.collective_guard import PeerFailure
+    from mechmon_megatron.session.collective_guard import PeerFailure
     from mechmon_megatron.adapters.megatron_core.discovery import find_modules
     from gpt_trainer.main import main
 

@@ -42,7 +42,7 @@ from typing import Any, Callable, Literal, Optional, Sequence, get_args
 import torch
 import torch.distributed as dist
 
-from mechmon_megatron.adapters.megatron_core.collective_guard import guarded_collective
+from mechmon_megatron.session.collective_guard import guarded_collective
 
 logger = logging.getLogger(__name__)
 
