@@ -32,6 +32,7 @@ import logging
 import os
 import runpy
 import sys
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -45,7 +46,7 @@ PATCHES: tuple[str, ...] = (
     "no-fused-kernels",  # fused_kernels.load compiles CUDA extensions
     "training-cuda-proxy",  # torch.cuda.* and device='cuda' in megatron.training modules
     "prebuilt-dataset-helpers",  # skip `make` of helpers_cpp when an importable build exists
-    "get-model-stays-on-cpu",  # get_model calls model_module.cuda(current_device())
+    "get-model-stays-on-cpu",  # get_model (and 0.19's model builders) call model_module.cuda(...)
     "batch-stays-on-cpu",  # get_batch_on_this_tp_rank moves the batch with Tensor.cuda()
 )
 
@@ -55,9 +56,12 @@ TRAINING_CUDA_MODULES: tuple[str, ...] = (
     "megatron.training.training",
     "megatron.training.initialize",
     "megatron.training.utils",
+    "megatron.training.utils.common_utils",  # megatron-core 0.19: utils became a package
+    "megatron.training.utils.utils",
     "megatron.training.checkpointing",
     "megatron.training.theoretical_memory_usage",
     "megatron.training.async_utils",
+    "megatron.training.models.dist_utils",  # megatron-core 0.19's model builders (DDP stream)
     "megatron.core.timers",  # cross-rank timer min/max buffers
     "megatron.core.rerun_state_machine",
     "megatron.core.energy_monitor",
@@ -96,6 +100,8 @@ class _TrainingCpuCuda(_CpuCuda):
     max_memory_reserved = staticmethod(lambda device=None: 0)
     memory_stats = staticmethod(lambda device=None: {})
     mem_get_info = staticmethod(lambda device=None: (0, 0))
+    # megatron-core 0.19 asks the architecture when validating TP / CP arguments: pre-Hopper.
+    get_device_properties = staticmethod(lambda device=None: SimpleNamespace(major=0, minor=0, name="cpu"))
     Stream = _NullStream
     current_stream = staticmethod(lambda device=None: _NullStream())
     stream = staticmethod(lambda stream: contextlib.nullcontext())
@@ -132,14 +138,24 @@ def _patch_fused_kernels() -> bool:
     return True
 
 
-def _patch_get_model() -> bool:
-    training = importlib.import_module("megatron.training.training")
-    original = getattr(training, "get_model", None)
+# Functions that build model chunks and move them with ``Module.cuda(...)``: (module, name).
+MODEL_BUILDERS: tuple[tuple[str, str], ...] = (
+    ("megatron.training.training", "get_model"),  # core_v0.16 and later
+    ("megatron.training.models.dist_utils", "prepare_existing_model_chunks_for_distributed_training"),  # 0.19
+)
+
+
+def _keep_model_on_cpu(module_name: str, name: str) -> bool:
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return False
+    original = getattr(module, name, None)
     if original is None or getattr(original, "_mechmon_cpu", False):
         return False
 
     @functools.wraps(original)
-    def get_model(*args: Any, **kwargs: Any):
+    def build(*args: Any, **kwargs: Any):
         module_cuda = torch.nn.Module.cuda
         torch.nn.Module.cuda = lambda self, device=None: self
         try:
@@ -147,9 +163,13 @@ def _patch_get_model() -> bool:
         finally:
             torch.nn.Module.cuda = module_cuda
 
-    get_model._mechmon_cpu = True
-    training.get_model = get_model
+    build._mechmon_cpu = True
+    setattr(module, name, build)
     return True
+
+
+def _patch_get_model() -> bool:
+    return any([_keep_model_on_cpu(module, name) for module, name in MODEL_BUILDERS])
 
 
 def _patch_get_batch() -> bool:

@@ -51,6 +51,15 @@ def run_torchrun(script: str | os.PathLike, args: Sequence[str], nproc: int = 2,
     return _launch(cmd, timeout_s, env)
 
 
+def run_torchrun_module(module: str, args: Sequence[str], nproc: int = 2, timeout_s: float = 120.0,
+                        env: Optional[dict[str, str]] = None,
+                        torchrun_args: Sequence[str] = ()) -> TorchrunResult:
+    """Run ``torchrun [torchrun_args] --nproc-per-node nproc -m module args`` from the repository root."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", module, *map(str, args)]
+    return _launch(cmd, timeout_s, env)
+
+
 def run_python(script: str | os.PathLike, args: Sequence[str], timeout_s: float = 120.0,
                env: Optional[dict[str, str]] = None) -> TorchrunResult:
     """Run ``python script args`` (one process, no launcher) from the repository root."""
