@@ -47,7 +47,7 @@ PATCHES: tuple[str, ...] = (
     "training-cuda-proxy",  # torch.cuda.* and device='cuda' in megatron.training modules
     "prebuilt-dataset-helpers",  # skip `make` of helpers_cpp when an importable build exists
     "get-model-stays-on-cpu",  # get_model (and 0.19's model builders) call model_module.cuda(...)
-    "batch-stays-on-cpu",  # get_batch_on_this_tp_rank moves the batch with Tensor.cuda()
+    "batch-stays-on-cpu",  # get_batch_on_this_tp_rank / the script's get_batch call Tensor.cuda()
 )
 
 # megatron.training modules whose ``torch`` global gets the CPU proxy (device='cuda' factories,
@@ -172,18 +172,11 @@ def _patch_get_model() -> bool:
     return any([_keep_model_on_cpu(module, name) for module, name in MODEL_BUILDERS])
 
 
-def _patch_get_batch() -> bool:
-    """``get_batch_on_this_tp_rank`` calls ``tensor.cuda(non_blocking=True)``: identity on CPU.
-
-    The function is imported by name into ``pretrain_gpt`` (``__main__``): replace it there too.
-    """
-    utils = importlib.import_module("megatron.training.utils")
-    original = getattr(utils, "get_batch_on_this_tp_rank", None)
-    if original is None or getattr(original, "_mechmon_cpu", False):
-        return False
+def _tensors_stay_on_cpu(original: Any) -> Any:
+    """``original`` with ``Tensor.cuda`` the identity while it runs."""
 
     @functools.wraps(original)
-    def get_batch_on_this_tp_rank(*args: Any, **kwargs: Any):
+    def wrapped(*args: Any, **kwargs: Any):
         tensor_cuda = torch.Tensor.cuda
         torch.Tensor.cuda = lambda tensor, *a, **k: tensor
         try:
@@ -191,12 +184,35 @@ def _patch_get_batch() -> bool:
         finally:
             torch.Tensor.cuda = tensor_cuda
 
-    get_batch_on_this_tp_rank._mechmon_cpu = True
-    for name in ("megatron.training.utils", "pretrain_gpt", "__main__"):
+    wrapped._mechmon_cpu = True
+    return wrapped
+
+
+SCRIPT_MODULES = ("pretrain_gpt", "__main__")
+
+
+def _patch_get_batch() -> bool:
+    """Batches move with ``tensor.cuda(non_blocking=True)``: in ``get_batch_on_this_tp_rank``
+    (imported by name into the script) and, from core_v0.19, in the script's own ``get_batch``.
+    Both become CPU identities."""
+    utils = importlib.import_module("megatron.training.utils")
+    original = getattr(utils, "get_batch_on_this_tp_rank", None)
+    patched = False
+    if original is not None and not getattr(original, "_mechmon_cpu", False):
+        wrapped = _tensors_stay_on_cpu(original)
+        utils.get_batch_on_this_tp_rank = wrapped
+        for name in ("megatron.training.utils", *SCRIPT_MODULES):
+            module = sys.modules.get(name)
+            if module is not None and getattr(module, "get_batch_on_this_tp_rank", None) is original:
+                module.get_batch_on_this_tp_rank = wrapped
+        patched = True
+    for name in SCRIPT_MODULES:
         module = sys.modules.get(name)
-        if module is not None and getattr(module, "get_batch_on_this_tp_rank", None) is original:
-            module.get_batch_on_this_tp_rank = get_batch_on_this_tp_rank
-    return True
+        script_get_batch = getattr(module, "get_batch", None) if module is not None else None
+        if callable(script_get_batch) and not getattr(script_get_batch, "_mechmon_cpu", False):
+            module.get_batch = _tensors_stay_on_cpu(script_get_batch)
+            patched = True
+    return patched
 
 
 def _patch_compile_helpers() -> bool:

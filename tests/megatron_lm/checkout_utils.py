@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import filecmp
 import glob
 import os
 import shutil
@@ -31,16 +32,18 @@ def copy_patched_checkout(source: str, root: str) -> str:
 
 def _provide_dataset_helpers(root: str) -> None:
     """Megatron builds megatron/core/datasets/helpers_cpp with make + pybind11 on start; reuse the
-    installed megatron-core wheel's build when it is the same release (our CPU compat then skips make)."""
+    installed megatron-core wheel's build when it was compiled from the same helpers.cpp (our CPU
+    compat then skips make)."""
     target = os.path.join(root, "megatron", "core", "datasets")
     if glob.glob(os.path.join(target, "helpers_cpp*.so")):
         return
     try:
         import megatron.core.datasets as installed
-        from megatron.core import package_info
     except ImportError:
         return
-    if mp.detect_release(root) != (package_info.MAJOR, package_info.MINOR, package_info.PATCH):
+    source = os.path.dirname(installed.__file__)
+    sources = [os.path.join(directory, "helpers.cpp") for directory in (source, target)]
+    if not all(map(os.path.exists, sources)) or not filecmp.cmp(*sources, shallow=False):
         return
-    for built in glob.glob(os.path.join(os.path.dirname(installed.__file__), "helpers_cpp*.so")):
+    for built in glob.glob(os.path.join(source, "helpers_cpp*.so")):
         shutil.copy2(built, target)

@@ -34,22 +34,22 @@ def add_attention_args(parser: argparse.ArgumentParser) -> None:
                    help="Opt-in mitigation: shift tied row maxima by beta (Qiu & Yao), e.g. 4.")
     g.add_argument("--fa-no-bf16-emulation", action="store_true",
                    help="Run the emulated kernel in plain FP32 (exactness checks).")
-    g.add_argument("--log-max-attn-logit", action="store_true",
-                   help="Log max_ij q.k/sqrt(d) over all layers per step (metrics JSONL: max_attn_logit).")
+    g.add_argument("--log-max-attention-logit", action="store_true",
+                   help="megatron-core's max attention logit (max over heads and layers of max_ij q.k/sqrt(d), "
+                        "read with megatron.core.optimizer.qk_clip.clip_qk) per step: metrics JSONL max_attn_logit.")
 
 
 def prepare_attention(args: argparse.Namespace) -> None:
     """Validate the flags and create the shared fault / recorder objects on ``args``."""
     args.fa_fault = None
-    args.logit_recorder = None
     if args.fa_fault_strength != 0.0 and args.attention_backend != "emulated-lowp-fa":
         raise ValueError("--fa-fault-strength needs --attention-backend emulated-lowp-fa "
                          f"(got --attention-backend {args.attention_backend}).")
     if args.attention_backend == "local":
-        if args.log_max_attn_logit:
-            raise ValueError("--log-max-attn-logit needs --attention-backend torch or emulated-lowp-fa.")
+        if args.log_max_attention_logit:  # megatron's local DotProductAttention records no max logit
+            raise ValueError("--log-max-attention-logit needs --attention-backend torch or emulated-lowp-fa.")
         return
-    from mechmon_megatron.research.faults.attention_backends import MaxLogitRecorder, backend_unavailable_reason
+    from mechmon_megatron.research.faults.attention_backends import MAX_LOGIT_BACKENDS, backend_unavailable_reason
     from mechmon_megatron.research.faults.fault_config import FaultConfig
 
     reason = backend_unavailable_reason(args.attention_backend)
@@ -66,8 +66,8 @@ def prepare_attention(args: argparse.Namespace) -> None:
     if args.attention_backend == "emulated-lowp-fa":
         args.fa_fault = FaultConfig(strength=args.fa_fault_strength, onset_step=args.fa_fault_onset,
                                     mode=args.fa_fault_mode, layer_numbers=layers)
-    if args.log_max_attn_logit:
-        args.logit_recorder = MaxLogitRecorder()
+    if args.log_max_attention_logit and args.attention_backend not in MAX_LOGIT_BACKENDS:
+        raise ValueError(f"--log-max-attention-logit needs --attention-backend one of {MAX_LOGIT_BACKENDS}.")
 
 
 def core_attention_spec(args: argparse.Namespace) -> Optional[Any]:
@@ -79,36 +79,56 @@ def core_attention_spec(args: argparse.Namespace) -> Optional[Any]:
 
     emulation = EmulatedFAConfig(emulate_bf16=not args.fa_no_bf16_emulation, fp32_o=args.fa_fp32_o,
                                  tie_shift_beta=args.fa_tie_shift_beta)
-    return build_core_attention_spec(args.attention_backend, fault=args.fa_fault, emulation=emulation,
-                                     logit_recorder=args.logit_recorder)
+    return build_core_attention_spec(args.attention_backend, fault=args.fa_fault, emulation=emulation)
 
 
 class AttentionStepCallback:
-    """Advances the fault's step counter and reports the max attention logit per step."""
+    """Advances the fault's step counter and reports megatron-core's max attention logit per step."""
 
     name = "attention"
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.fault = getattr(args, "fa_fault", None)
-        self.recorder = getattr(args, "logit_recorder", None)
+        self.log_max_logit = bool(getattr(args, "log_max_attention_logit", False))
+        self.model_chunks: list = []
+
+    def on_train_start(self, ctx: Any) -> None:
+        self.model_chunks = list(ctx.model_chunks)
 
     def on_step_start(self, iteration: int) -> None:
         if self.fault is not None:
             self.fault.set_step(iteration)
-        if self.recorder is not None:
-            self.recorder.reset()
-            self.recorder.enabled = True
 
     def step_metrics(self) -> dict:
-        """Collective (every rank): max over all layers of all ranks."""
-        if self.recorder is None:
+        """Collective (every rank): megatron-core's ``clip_qk(model, log_max_only=True)``, the value
+        Megatron-LM's ``train_step`` logs (max over this rank's layers and heads, all-reduced over
+        data parallelism), then the maximum over the model-parallel ranks so the row covers every
+        layer and head."""
+        if not self.log_max_logit:
             return {}
         import torch
+        from megatron.core import parallel_state
+        from megatron.core.optimizer.qk_clip import clip_qk
 
-        value = torch.tensor([self.recorder.value], dtype=torch.float64)
-        if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+        value = torch.tensor([clip_qk(megatron_lm_chunks(self.model_chunks), log_max_only=True)], dtype=torch.float64)
+        # megatron-core 0.19 resets the layers' running maxima in clip_qk; 0.16 keeps them (a
+        # running max since the first step): reset here so the value is this step's on both.
+        for chunk in self.model_chunks:
+            for module in chunk.module.modules():
+                if getattr(module, "current_max_attn_logits", None) is not None:
+                    module.current_max_attn_logits = None
+        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX,
+                                     group=parallel_state.get_model_parallel_group())
         return {"max_attn_logit": float(value.item())}
+
+
+def megatron_lm_chunks(model_chunks: list) -> list:
+    """``clip_qk`` walks ``chunk.module.module.decoder`` (Megatron-LM's DDP(Float16Module(GPTModel))
+    nesting); our FP32 chunks are DDP(GPTModel): give those the missing level."""
+    from types import SimpleNamespace
+
+    return [chunk if hasattr(chunk.module, "module") else SimpleNamespace(module=SimpleNamespace(module=chunk.module))
+            for chunk in model_chunks]
 
 
 AttentionCallbackFactory = Callable[[argparse.Namespace], list]

@@ -80,6 +80,7 @@ def build_transformer_config(args: argparse.Namespace) -> TransformerConfig:
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
+        log_max_attention_logit=bool(getattr(args, "log_max_attention_logit", False)),
         **moe,
     )
 

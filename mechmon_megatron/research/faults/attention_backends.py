@@ -23,6 +23,14 @@ Masks: only the standard causal mask (``AttnMaskType.causal``) and no mask
 GPT datasets); anything else (document resets, padding) raises ``ValueError``.
 ``apply_query_key_layer_scaling`` is a fp16 overflow trick that does not change the
 mathematical scale; it is ignored here.
+
+Max attention logit: with ``TransformerConfig.log_max_attention_logit`` (megatron-core's
+``--log-max-attention-logit``) the ``torch`` and ``emulated-lowp-fa`` backends keep the per-head
+maximum of ``q . k * softmax_scale`` over unmasked positions in ``current_max_attn_logits``
+(``[np]``, FP32, the running maximum over forwards), the contract of Transformer Engine's
+attention with ``return_max_logit``. megatron-core's own ``clip_qk(model, log_max_only=True)``
+then reduces and resets it, as in Megatron-LM's ``train_step``. ``--qk-clip`` (which rescales
+Q/K weights) is refused.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from mechmon_megatron.research.faults.fault_config import FaultConfig
 
 AttentionBackend = Literal["torch", "emulated-lowp-fa", "flash-attn", "fp8"]
 ATTENTION_BACKENDS: tuple[str, ...] = ("torch", "emulated-lowp-fa", "flash-attn", "fp8")
+MAX_LOGIT_BACKENDS: tuple[str, ...] = ("torch", "emulated-lowp-fa")  # the others never form Q K^T
 
 _FLASH_HINT = "pip install 'mechmon-megatron[flash]' (flash-attn >= 2.6) on a machine with a CUDA GPU"
 _FP8_HINT = (
@@ -113,7 +122,6 @@ class MechmonCoreAttention(MegatronModule):
         backend: AttentionBackend = "torch",
         fault: Optional[FaultConfig] = None,
         emulation: Optional[EmulatedFAConfig] = None,
-        logit_recorder: Optional[MaxLogitRecorder] = None,
     ):
         super().__init__(config=config)
         _check_backend(backend)
@@ -139,8 +147,8 @@ class MechmonCoreAttention(MegatronModule):
             )
         self.fault = fault if fault is not None and fault.applies_to_layer(self.layer_number) else None
         self.emulation = emulation if emulation is not None else EmulatedFAConfig()
-        self.logit_recorder = logit_recorder
-        self.current_max_attn_logits = None  # read by megatron's Attention when qk-clip is on
+        self.record_max_logit = bool(getattr(config, "log_max_attention_logit", False))
+        self.current_max_attn_logits: Optional[Tensor] = None  # [np]; megatron's clip_qk reads and resets it
         self._te_attention = self._build_te_attention(config) if backend == "fp8" else None
 
     def _build_te_attention(self, config: TransformerConfig) -> torch.nn.Module:
@@ -215,8 +223,8 @@ class MechmonCoreAttention(MegatronModule):
         if group_size > 1:
             k = k.repeat_interleave(group_size, dim=1)
             v = v.repeat_interleave(group_size, dim=1)
-        if self.logit_recorder is not None and self.logit_recorder.enabled:
-            self.logit_recorder.record(q, k, self.softmax_scale, causal)
+        if self.record_max_logit:
+            self._update_max_logits(q, k, causal)
         if self.backend == "torch":
             out = torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, dropout_p=self.dropout_p if self.training else 0.0,
@@ -228,6 +236,18 @@ class MechmonCoreAttention(MegatronModule):
                 config=self.emulation, fault=self.fault,
             )
         return out.permute(2, 0, 1, 3)
+
+    @torch.no_grad()
+    def _update_max_logits(self, q: Tensor, k: Tensor, causal: bool) -> None:
+        """Running per-head max of ``q [b,h,n,d] . k [b,h,m,d] * softmax_scale`` (causal: j <= i)."""
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.softmax_scale
+        if causal:
+            n, m = scores.shape[-2:]
+            future = torch.ones(n, m, dtype=torch.bool, device=scores.device).triu(1)
+            scores = scores.masked_fill(future, float("-inf"))
+        batch_max = scores.amax(dim=(0, 2, 3))
+        previous = self.current_max_attn_logits
+        self.current_max_attn_logits = batch_max if previous is None else torch.maximum(previous, batch_max)
 
     def _flash_attn(self, query: Tensor, key: Tensor, value: Tensor, causal: bool) -> Tensor:
         from flash_attn import flash_attn_func
@@ -268,43 +288,20 @@ def _check_config(config: TransformerConfig, backend: str, fault: Optional[Fault
         )
     if getattr(config, "window_size", None) is not None:
         raise ValueError(f"{name} does not support sliding-window attention; unset --window-size.")
-    if getattr(config, "qk_clip", False) or getattr(config, "log_max_attention_logit", False):
+    if getattr(config, "qk_clip", False):
+        raise ValueError(f"{name} does not support qk-clip (it rescales Q/K weights); unset --qk-clip.")
+    if getattr(config, "log_max_attention_logit", False) and backend not in MAX_LOGIT_BACKENDS:
         raise ValueError(
-            f"{name} does not record max attention logits; unset --qk-clip and "
-            "--log-max-attention-logit."
+            f"{name} records max attention logits with the backends {MAX_LOGIT_BACKENDS} only, "
+            f"not {backend!r}; unset --log-max-attention-logit or change the attention backend."
         )
     _check_fault(backend, fault)
-
-
-class MaxLogitRecorder:
-    """Records max_ij q_i . k_j * scale over every attention call while ``enabled``.
-
-    The symptom-level "max attention logit" signal (Wortsman et al. 2023) for the fault study:
-    it costs one extra ``Q K^T`` per layer, so it is off unless the trainer asks for it.
-    """
-
-    def __init__(self) -> None:
-        self.enabled = False
-        self.value = float("-inf")
-
-    def reset(self) -> None:
-        self.value = float("-inf")
-
-    @torch.no_grad()
-    def record(self, q_BHND: Tensor, k_BHMD: Tensor, scale: Optional[float], causal: bool) -> None:
-        scale = scale if scale is not None else 1.0 / math.sqrt(q_BHND.shape[-1])
-        scores = torch.matmul(q_BHND, k_BHMD.transpose(-1, -2)) * scale
-        if causal:
-            n, m = scores.shape[-2:]
-            scores = scores.masked_fill(torch.ones(n, m, dtype=torch.bool, device=scores.device).triu(1), float("-inf"))
-        self.value = max(self.value, float(scores.max()))
 
 
 def build_core_attention_spec(
     backend: str,
     fault: Optional[FaultConfig] = None,
     emulation: Optional[EmulatedFAConfig] = None,
-    logit_recorder: Optional[MaxLogitRecorder] = None,
 ) -> ModuleSpec:
     """A ``ModuleSpec`` for a layer spec's ``core_attention=`` slot.
 
@@ -318,5 +315,5 @@ def build_core_attention_spec(
     _check_fault(backend, fault)
     return ModuleSpec(
         module=MechmonCoreAttention,
-        params={"backend": backend, "fault": fault, "emulation": emulation, "logit_recorder": logit_recorder},
+        params={"backend": backend, "fault": fault, "emulation": emulation},
     )

@@ -3,7 +3,7 @@
 Inputs are the two files a run writes:
 
 - the trainer's metrics JSONL (one line per iteration: ``iteration``, ``lm_loss``, ``grad_norm``,
-  ``lr``, ``step_time_s`` and, with ``--log-max-attn-logit``, ``max_attn_logit``);
+  ``lr``, ``step_time_s`` and, with ``--log-max-attention-logit``, ``max_attn_logit``);
 - the session's ``mechmon_scalars.jsonl`` (one line per check: ``{"step", "scalars"}``).
 
 Mechmon alarms are REPLAYED here with the same detector code the session runs online

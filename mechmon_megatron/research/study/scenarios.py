@@ -240,7 +240,7 @@ def trainer_flags(scenario: Scenario, preset: Preset, seed: int, train_iters: in
         "--lr", repr(lr), "--min-lr", repr(lr / 10),
         "--train-iters", str(train_iters), "--seed", str(seed),
         "--lr-decay-iters", str(preset.lr_decay_iters or train_iters),
-        "--log-interval", "100", "--log-max-attn-logit",
+        "--log-interval", "100", "--log-max-attention-logit",
         "--mechmon", "--mechmon-interval", str(preset.mechmon_interval),
         "--mechmon-delta", str(preset.mechmon_delta), "--mechmon-action", "log",
         "--mechmon-per-head-scalars",

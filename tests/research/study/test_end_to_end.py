@@ -10,7 +10,7 @@ from mechmon_megatron.research.study.runner import trainer_command
 from mechmon_megatron.research.study.scenarios import get_preset, with_overrides
 from mechmon_megatron.research.study.study import StudyOptions, run_study
 
-_NEEDED_FLAGS = ("--mechmon-per-head-scalars", "--fa-fault-strength", "--log-max-attn-logit", "--metrics-jsonl")
+_NEEDED_FLAGS = ("--mechmon-per-head-scalars", "--fa-fault-strength", "--log-max-attention-logit", "--metrics-jsonl")
 
 _TINY_MODEL = (
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",

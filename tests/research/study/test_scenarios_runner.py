@@ -38,7 +38,7 @@ def test_each_scenario_sets_its_fault_only():
     )
     for flags in (clean, fa, moe_lr, moe_gbs, combined, router_lr):
         assert _flag(flags, "--mechmon-action") == "log"
-        assert "--mechmon-per-head-scalars" in flags and "--log-max-attn-logit" in flags
+        assert "--mechmon-per-head-scalars" in flags and "--log-max-attention-logit" in flags
         assert _flag(flags, "--train-iters") == "100" and _flag(flags, "--seed") == "1"
 
 
