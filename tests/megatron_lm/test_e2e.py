@@ -4,10 +4,12 @@
 patch`` (the script's own ``mechmon.install()``); ``launch=run``: an unmodified copy, run by the
 CPU launcher's default ``--launch run`` (``mechmon-run`` plus the CPU layer).
 
-Needs a Megatron-LM checkout (core_v0.16.x tested): ``MEGATRON_LM_DIR=/path/to/Megatron-LM
-MECHMON_SLOW=1 pytest tests/megatron_lm/test_e2e.py`` (``-k run`` or ``-k patch`` for one way).
-Packages Megatron-LM imports beyond the project's (six, regex, pyyaml, pydantic, psutil, triton
-on 0.16.1) may live in a separate directory named by ``MECHMON_E2E_PYTHONPATH``. The checkout is
+Needs a Megatron-LM checkout (core_v0.16.1 with Python 3.11 and core_v0.19.0 with Python 3.12
+tested, docs/MEGATRON_LM.md): ``MEGATRON_LM_DIR=/path/to/Megatron-LM MECHMON_SLOW=1 pytest
+tests/megatron_lm/test_e2e.py`` (``-k run`` or ``-k patch`` for one way). Packages Megatron-LM
+imports beyond the project's (six, regex, pyyaml, pydantic, psutil, triton on 0.16.1; six,
+regex, pyyaml on 0.19.0 in the current venv) may live in a separate directory named by
+``MECHMON_E2E_PYTHONPATH``. The checkout is
 copied; it is never modified.
 
 Two ranks (gloo, plain processes so each rank's exit code is visible), a tiny GPT-MoE on mock

@@ -21,9 +21,12 @@ names and the session are those of megatron-core loops (:mod:`..megatron_core`),
 entry point this adapter builds on: Megatron-LM trains megatron-core models.
 """
 
+from typing import Any
+
 from mechmon_megatron.adapters.megatron_lm.flags import add_arguments, extra_args_provider
-from mechmon_megatron.adapters.megatron_lm.hooks import STATE_FILENAME, MegatronLMHooks, checkpoint_iter_dir
 from mechmon_megatron.adapters.megatron_lm.install import install, unwrap_training_module, wrap_training_module
+
+_HOOKS_EXPORTS = ("STATE_FILENAME", "MegatronLMHooks", "checkpoint_iter_dir")
 
 __all__ = [
     "STATE_FILENAME",
@@ -35,3 +38,13 @@ __all__ = [
     "unwrap_training_module",
     "wrap_training_module",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """The hooks (torch, megatron-core) load on first use (PEP 562): ``mechmon-patch`` imports
+    ``.patch_tool`` through this package and should not pay for torch."""
+    if name not in _HOOKS_EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from mechmon_megatron.adapters.megatron_lm import hooks
+
+    return getattr(hooks, name)

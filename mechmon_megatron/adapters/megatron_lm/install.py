@@ -27,9 +27,10 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from mechmon_megatron.adapters.megatron_lm.hooks import MegatronLMHooks
+if TYPE_CHECKING:  # the hooks (torch, megatron-core) load in install(): mechmon-patch stays light
+    from mechmon_megatron.adapters.megatron_lm.hooks import MegatronLMHooks
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +140,8 @@ def install(training_module: Any = None) -> MegatronLMHooks:
     if installed is not None:
         return installed
     from megatron.training import get_args, global_vars
+
+    from mechmon_megatron.adapters.megatron_lm.hooks import MegatronLMHooks
 
     hooks = MegatronLMHooks(
         get_args=get_args,
