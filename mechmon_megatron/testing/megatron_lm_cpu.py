@@ -153,18 +153,7 @@ def _keep_model_on_cpu(module_name: str, name: str) -> bool:
     original = getattr(module, name, None)
     if original is None or getattr(original, "_mechmon_cpu", False):
         return False
-
-    @functools.wraps(original)
-    def build(*args: Any, **kwargs: Any):
-        module_cuda = torch.nn.Module.cuda
-        torch.nn.Module.cuda = lambda self, device=None: self
-        try:
-            return original(*args, **kwargs)
-        finally:
-            torch.nn.Module.cuda = module_cuda
-
-    build._mechmon_cpu = True
-    setattr(module, name, build)
+    setattr(module, name, _cuda_is_identity(original, torch.nn.Module))
     return True
 
 
@@ -172,17 +161,18 @@ def _patch_get_model() -> bool:
     return any([_keep_model_on_cpu(module, name) for module, name in MODEL_BUILDERS])
 
 
-def _tensors_stay_on_cpu(original: Any) -> Any:
-    """``original`` with ``Tensor.cuda`` the identity while it runs."""
+def _cuda_is_identity(original: Any, owner: type) -> Any:
+    """``original`` with ``owner.cuda`` (``torch.nn.Module`` or ``torch.Tensor``) returning its
+    object unchanged while it runs."""
 
     @functools.wraps(original)
     def wrapped(*args: Any, **kwargs: Any):
-        tensor_cuda = torch.Tensor.cuda
-        torch.Tensor.cuda = lambda tensor, *a, **k: tensor
+        cuda = owner.cuda
+        owner.cuda = lambda obj, *a, **k: obj
         try:
             return original(*args, **kwargs)
         finally:
-            torch.Tensor.cuda = tensor_cuda
+            owner.cuda = cuda
 
     wrapped._mechmon_cpu = True
     return wrapped
@@ -199,7 +189,7 @@ def _patch_get_batch() -> bool:
     original = getattr(utils, "get_batch_on_this_tp_rank", None)
     patched = False
     if original is not None and not getattr(original, "_mechmon_cpu", False):
-        wrapped = _tensors_stay_on_cpu(original)
+        wrapped = _cuda_is_identity(original, torch.Tensor)
         utils.get_batch_on_this_tp_rank = wrapped
         for name in ("megatron.training.utils", *SCRIPT_MODULES):
             module = sys.modules.get(name)
@@ -210,7 +200,7 @@ def _patch_get_batch() -> bool:
         module = sys.modules.get(name)
         script_get_batch = getattr(module, "get_batch", None) if module is not None else None
         if callable(script_get_batch) and not getattr(script_get_batch, "_mechmon_cpu", False):
-            module.get_batch = _tensors_stay_on_cpu(script_get_batch)
+            module.get_batch = _cuda_is_identity(script_get_batch, torch.Tensor)
             patched = True
     return patched
 

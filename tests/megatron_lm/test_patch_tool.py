@@ -277,3 +277,14 @@ def test_cli_exit_codes(tmp_path):
     assert status.returncode == mp.EXIT_REFUSED and "__main__" in status.stdout
     refused = run("apply")
     assert refused.returncode == mp.EXIT_REFUSED and "refused" in refused.stderr and "pretrain_gpt.py" in refused.stderr
+
+
+def test_patch_tool_imports_without_torch():
+    """``mechmon-patch`` is a text tool: the adapter package loads its hooks (torch, megatron-core)
+    only when they are used, so the console script starts without them."""
+    code = ("import sys; import mechmon_megatron.adapters.megatron_lm.patch_tool; "
+            "import mechmon_megatron.adapters.megatron_lm as adapter; adapter.install; "
+            "print(sorted(m for m in ('torch', 'megatron.core') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr

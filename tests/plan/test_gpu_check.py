@@ -61,6 +61,7 @@ def test_runner_has_every_part_of_the_issue():
             "router_capture_sync", "bench_monitors_4096", "bench_monitors_8192"} <= set(names)
 
 
+@pytest.mark.slow  # 15 s: the GPU machine's driver script end to end; its parts are tested one by one below
 def test_gpu_check_script_on_cpu_writes_one_json(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(

@@ -40,7 +40,7 @@ def add_attention_args(parser: argparse.ArgumentParser) -> None:
 
 
 def prepare_attention(args: argparse.Namespace) -> None:
-    """Validate the flags and create the shared fault / recorder objects on ``args``."""
+    """Validate the flags and create the shared fault object on ``args``."""
     args.fa_fault = None
     if args.fa_fault_strength != 0.0 and args.attention_backend != "emulated-lowp-fa":
         raise ValueError("--fa-fault-strength needs --attention-backend emulated-lowp-fa "
