@@ -22,6 +22,7 @@ import os
 import re
 
 import pytest
+from tiny_gpt_flags import TINY_GPT_MOE
 
 from tests.megatron_core._torchrun import REPO_ROOT, run_torchrun_module
 
@@ -38,24 +39,12 @@ CPU_LAUNCHER = "mechmon_megatron.testing.megatron_lm_cpu"  # mechmon-run plus th
 EXIT_CODE = 43  # not the default (42): the flag must reach every rank
 ENV = {"CUDA_VISIBLE_DEVICES": "", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}  # Megatron requires it with TP
 
-TINY_GPT_MOE = [
-    "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
-    "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "4",
-    "--lr", "1e-3", "--lr-decay-style", "constant", "--mock-data", "--tokenizer-type", "NullTokenizer",
-    "--vocab-size", "256", "--split", "99,1,0", "--num-experts", "4", "--moe-router-topk", "2",
-    "--moe-token-dispatcher-type", "allgather", "--transformer-impl", "local", "--distributed-backend", "gloo",
-    "--tensor-model-parallel-size", "2", "--sequence-parallel",
-    "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
-    "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm", "--disable-bias-linear",
-    "--position-embedding-type", "rope", "--normalization", "RMSNorm",
-    "--log-interval", "5", "--eval-iters", "0", "--eval-interval", "1000", "--save-interval", "1000",
-    "--train-iters", "30", "--mechmon", "--mechmon-interval", "5", "--mechmon-delta", "5",
-]
+TINY_GPT_MOE_TP2 = [*TINY_GPT_MOE, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--train-iters", "30"]
 
 
 def pretrain(workdir: str, extra: list[str], tag: str):
     """torchrun, 2 ranks, of the provider script; per-rank logs under ``workdir/logs/tag``."""
-    args = [SCRIPT, *TINY_GPT_MOE, "--save", os.path.join(workdir, "ckpt"),
+    args = [SCRIPT, *TINY_GPT_MOE_TP2, "--save", os.path.join(workdir, "ckpt"),
             "--tensorboard-dir", os.path.join(workdir, "tb", tag), *extra]
     logs = os.path.join(workdir, "logs", tag)
     result = run_torchrun_module(CPU_LAUNCHER, args, nproc=2, timeout_s=420, env=ENV,

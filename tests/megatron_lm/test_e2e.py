@@ -27,6 +27,7 @@ import sys
 
 import pytest
 from checkout_utils import copy_checkout
+from tiny_gpt_flags import TINY_GPT_MOE
 
 from mechmon_megatron.adapters.megatron_lm import patch_tool as mp
 
@@ -45,18 +46,6 @@ pytestmark = [
     ),
 ]
 
-TINY_GPT_MOE = [
-    "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
-    "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "4",
-    "--lr", "1e-3", "--lr-decay-style", "constant", "--mock-data", "--tokenizer-type", "NullTokenizer",
-    "--vocab-size", "256", "--split", "99,1,0", "--num-experts", "4", "--moe-router-topk", "2",
-    "--moe-token-dispatcher-type", "allgather", "--transformer-impl", "local", "--distributed-backend", "gloo",
-    "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
-    "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm", "--disable-bias-linear",
-    "--position-embedding-type", "rope", "--normalization", "RMSNorm",
-    "--log-interval", "5", "--eval-iters", "0", "--eval-interval", "1000", "--save-interval", "1000",
-    "--mechmon", "--mechmon-interval", "5", "--mechmon-delta", "5",
-]
 
 
 def _free_port() -> int:
