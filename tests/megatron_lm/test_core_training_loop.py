@@ -5,7 +5,8 @@ test-current``, megatron-core 0.19) runs these tests, the fast leg (0.16.1, no
 ``megatron.training``) skips them. No Megatron-LM checkout: the script is our own provider
 script ``examples/pretrain_scripts/pretrain_gpt_core.py``, unmodified, started the zero-patch way
 (``mechmon-run`` through the CPU launcher of the testing package) under real torchrun with two gloo
-ranks, tensor parallel 2 with sequence parallelism, a tiny GPT-MoE on mock data.
+ranks, tensor parallel 2 with sequence parallelism (and one pipeline-parallel run), a tiny
+GPT-MoE on mock data.
 
 Drill at 20 with checkpoint-and-abort: Megatron's own save at 20 on every rank, the alert, every
 rank leaving with the exit code; TensorBoard events read back; a resume from that checkpoint
@@ -39,12 +40,13 @@ CPU_LAUNCHER = "mechmon_megatron.testing.megatron_lm_cpu"  # mechmon-run plus th
 EXIT_CODE = 43  # not the default (42): the flag must reach every rank
 ENV = {"CUDA_VISIBLE_DEVICES": "", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}  # Megatron requires it with TP
 
-TINY_GPT_MOE_TP2 = [*TINY_GPT_MOE, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--train-iters", "30"]
+TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
 
 
-def pretrain(workdir: str, extra: list[str], tag: str):
+def pretrain(workdir: str, extra: list[str], tag: str, layout: list[str] = TP2):
     """torchrun, 2 ranks, of the provider script; per-rank logs under ``workdir/logs/tag``."""
-    args = [SCRIPT, *TINY_GPT_MOE_TP2, "--save", os.path.join(workdir, "ckpt"),
+    args = [SCRIPT, *TINY_GPT_MOE, *layout, "--train-iters", "30", "--save", os.path.join(workdir, "ckpt"),
             "--tensorboard-dir", os.path.join(workdir, "tb", tag), *extra]
     logs = os.path.join(workdir, "logs", tag)
     result = run_torchrun_module(CPU_LAUNCHER, args, nproc=2, timeout_s=420, env=ENV,
@@ -116,6 +118,20 @@ def test_drill_checkpoints_aborts_every_rank_and_resumes(tmp_path):
         assert resumed[key][: len(history)] == history and len(resumed[key]) == len(history) + 2, key
     entropy = scalars(os.path.join(workdir, "tb", "resume")).Scalars("mechmon/attn/delta2_entropy/layer_1")
     assert [e.step for e in entropy] == [25, 30]
+
+
+def test_pipeline_stages_each_report_their_layer_and_abort_together(tmp_path):
+    """PP=2: layer 1 lives on the first stage, layer 2 on the last (the writer); both layers'
+    scalars reach TensorBoard and both stages leave at the agreed iteration."""
+    result, rank_logs = pretrain(str(tmp_path), ["--mechmon-drill-at", "10", "--mechmon-action",
+                                                 "checkpoint-and-abort"], "pp2", layout=PP2)
+    assert re.search(r"exitcode\s*:\s*42\b", result.output), result.output[-4000:]
+    assert all("checkpoint-and-abort at iteration 10: exiting with code 42" in log for log in rank_logs)
+    events = scalars(os.path.join(tmp_path, "tb", "pp2"))
+    for layer in (1, 2):
+        for family in ("attn/delta2_entropy", "router/token_entropy"):
+            assert [e.step for e in events.Scalars(f"mechmon/{family}/layer_{layer}")] == [5, 10], (family, layer)
+    assert os.listdir(os.path.join(tmp_path, "ckpt")) and os.path.isdir(os.path.join(tmp_path, "ckpt", "iter_0000010"))
 
 
 def test_bad_mechmon_flag_stops_every_rank_before_the_model_is_built(tmp_path):
