@@ -44,9 +44,12 @@ TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 
 
-def pretrain(workdir: str, extra: list[str], tag: str, layout: list[str] = TP2):
-    """torchrun, 2 ranks, of the provider script; per-rank logs under ``workdir/logs/tag``."""
-    args = [SCRIPT, *TINY_GPT_MOE, *layout, "--train-iters", "30", "--save", os.path.join(workdir, "ckpt"),
+def pretrain(workdir: str, extra: list[str], tag: str, layout: list[str] = TP2, data_path: str | None = None):
+    """torchrun, 2 ranks, of the provider script (mock data unless ``data_path``, an indexed
+    dataset prefix); per-rank logs under ``workdir/logs/tag``."""
+    model = TINY_GPT_MOE if data_path is None else [f for f in TINY_GPT_MOE if f != "--mock-data"]
+    data = [] if data_path is None else ["--data-path", data_path, "--data-cache-path", os.path.join(workdir, "cache")]
+    args = [SCRIPT, *model, *data, *layout, "--train-iters", "30", "--save", os.path.join(workdir, "ckpt"),
             "--tensorboard-dir", os.path.join(workdir, "tb", tag), *extra]
     logs = os.path.join(workdir, "logs", tag)
     result = run_torchrun_module(CPU_LAUNCHER, args, nproc=2, timeout_s=420, env=ENV,
@@ -120,18 +123,36 @@ def test_drill_checkpoints_aborts_every_rank_and_resumes(tmp_path):
     assert [e.step for e in entropy] == [25, 30]
 
 
-def test_pipeline_stages_each_report_their_layer_and_abort_together(tmp_path):
-    """PP=2: layer 1 lives on the first stage, layer 2 on the last (the writer); both layers'
-    scalars reach TensorBoard and both stages leave at the agreed iteration."""
+def write_indexed_dataset(prefix: str, documents: int = 300, vocab: int = 256) -> str:
+    """A Megatron indexed dataset (``prefix.bin`` / ``.idx``) of random token documents."""
+    import numpy as np
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    rng = np.random.default_rng(0)
+    for _ in range(documents):
+        length = int(rng.integers(20, 200))
+        builder.add_document(torch.from_numpy(rng.integers(1, vocab, size=length).astype(np.int32)), [length])
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+def test_pipeline_stages_on_indexed_data_each_report_their_layer_and_abort_together(tmp_path):
+    """PP=2 on an indexed dataset (``--data-path``, GPTDataset): layer 1 lives on the first stage,
+    layer 2 on the last (the writer); both layers' scalars reach TensorBoard and both stages leave
+    at the agreed iteration."""
+    data = write_indexed_dataset(str(tmp_path / "tokens_text_document"))
     result, rank_logs = pretrain(str(tmp_path), ["--mechmon-drill-at", "10", "--mechmon-action",
-                                                 "checkpoint-and-abort"], "pp2", layout=PP2)
+                                                 "checkpoint-and-abort"], "pp2", layout=PP2, data_path=data)
     assert re.search(r"exitcode\s*:\s*42\b", result.output), result.output[-4000:]
     assert all("checkpoint-and-abort at iteration 10: exiting with code 42" in log for log in rank_logs)
     events = scalars(os.path.join(tmp_path, "tb", "pp2"))
     for layer in (1, 2):
         for family in ("attn/delta2_entropy", "router/token_entropy"):
             assert [e.step for e in events.Scalars(f"mechmon/{family}/layer_{layer}")] == [5, 10], (family, layer)
-    assert os.listdir(os.path.join(tmp_path, "ckpt")) and os.path.isdir(os.path.join(tmp_path, "ckpt", "iter_0000010"))
+    assert os.path.isdir(os.path.join(tmp_path, "ckpt", "iter_0000010"))
+    assert "building GPTDataset train" in rank_logs[0]  # the provider built indexed-data datasets (rank 0 prints)
 
 
 def test_bad_mechmon_flag_stops_every_rank_before_the_model_is_built(tmp_path):
