@@ -15,8 +15,8 @@ import os
 import sys
 import time
 
-from mechmon_megatron.research.study.report import markdown_report
 from mechmon_megatron.research.reproducible_cpu import PINNED_CPU_SETTINGS, check_pin, overridden_settings
+from mechmon_megatron.research.study.report import markdown_report
 from mechmon_megatron.research.study.scenarios import get_preset
 from mechmon_megatron.research.study.study import StudyOptions, run_study
 
