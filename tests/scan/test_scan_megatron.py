@@ -61,11 +61,12 @@ def test_fault_first_anomaly_after_onset_before_divergence_where_the_fault_acts(
     the same on any x86 CPU; the assertions still leave margins. Measured (Python 3.11, torch
     2.13): first anomaly before 360, divergence 435; the flagged layer's online Delta2 entropy
     below the healthy run's by 0.3-0.9 nats at every check from 320 on (bound asserted: 0.15 on
-    average). Why not "a layer the online detector alarmed on": the fault run is forked 100 steps
-    before the onset and the online session, whose weight snapshots are not in the checkpoint,
-    re-warms its baseline on the first checks after the fork, so whether it alarms before the run
-    ends is a property of the resume, not of the scan (it did not here; it did under the round-2
-    kernels)."""
+    average). Why not "a layer the online detector alarmed on": the online session checks from step
+    100 and needs 10 accepted values before it judges (warm-up, interval 20), and its weight
+    snapshots are not in the checkpoint, so after the fork at 200 it checks again from 300 and
+    completes its warm-up with the faulty checks 300-360: its baseline absorbs part of the shift,
+    and whether it alarms before the run ends depends on the trajectory (it did not under the pin,
+    it did under the round-2 kernels). The scan sees every pair from the start."""
     out, summary = fault_scan
     first = summary["first_anomaly"]
     divergence = S.loss_divergence(fault)
