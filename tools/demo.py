@@ -15,26 +15,40 @@ import os
 import sys
 import time
 
+from mechmon_megatron.research.reproducible_cpu import PINNED_CPU_SETTINGS, check_pin, overridden_settings
 from mechmon_megatron.research.study.report import markdown_report
-from mechmon_megatron.research.study.runner import REPRODUCIBLE_KERNELS
 from mechmon_megatron.research.study.scenarios import get_preset
 from mechmon_megatron.research.study.study import StudyOptions, run_study
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout: demo_out/ goes there
 
 
-def reproducibility_line() -> str:
-    """What the numbers depend on: the corpus bytes, torch and its CPU kernels (docs/RESULTS.md)."""
+def reproducibility_line(capability: str) -> str:
+    """Everything the numbers depend on (docs/RESULTS.md, "Reproducibility"): the corpus bytes (the
+    standard library of this Python), torch and its MKL, the pinned CPU settings, and the ATen
+    kernels the runs actually used."""
     import platform
+    import re
 
     import torch
 
     from gpt_trainer.data import corpus_fingerprint, stdlib_corpus
 
     corpus = corpus_fingerprint(stdlib_corpus(4 * 1024 * 1024).tokens)
-    capability = os.environ.get("ATEN_CPU_CAPABILITY", REPRODUCIBLE_KERNELS["ATEN_CPU_CAPABILITY"])
+    mkl = re.search(r"Math Kernel Library Version ([\w.]+)", torch.__config__.show())
+    pins = " ".join(f"{k}={v}" for k, v in PINNED_CPU_SETTINGS.items())
     return (f"reproducibility: corpus sha256 {corpus} (stdlib of Python {platform.python_version()}), "
-            f"torch {torch.__version__}, CPU kernels {capability}")
+            f"torch {torch.__version__} (MKL {mkl.group(1) if mkl else 'none'}), {pins}, "
+            f"ATen kernels in use {capability}")
+
+
+def kernel_warnings() -> tuple[str, list[str]]:
+    """The ATen capability the runs get, and one line per setting that makes this machine's table
+    differ from the docs (the pin overrides the caller's values only inside the demo's runs)."""
+    lines = [f"note: {line}" for line in overridden_settings()]
+    pin = check_pin()
+    lines += [f"warning: {reason}; the table may differ from docs/RESULTS.md" for reason in pin.reasons]
+    return pin.capability, lines
 
 
 def main(argv=None) -> int:
@@ -49,6 +63,9 @@ def main(argv=None) -> int:
     iters = args.train_iters or preset.train_iters
     print(f"mechmon demo: scenarios {', '.join(preset.scenarios)}, seed {preset.seeds[0]}, {iters} steps each, "
           f"{args.jobs} runs in parallel (about 10 minutes on 2 CPU cores)", flush=True)
+    capability, warnings = kernel_warnings()
+    for line in warnings:
+        print(line, flush=True)
     start = time.monotonic()
     results = run_study(
         StudyOptions(out_dir=args.out, preset=preset, scenarios=preset.scenarios, seeds=preset.seeds,
@@ -56,7 +73,7 @@ def main(argv=None) -> int:
     )
     print()
     print(markdown_report(results))
-    print(reproducibility_line())
+    print(reproducibility_line(capability))
     out = os.path.abspath(args.out)
     print(f"wall time: {time.monotonic() - start:.0f} s")
     print(f"results:     {os.path.join(out, 'results.json')}")

@@ -57,8 +57,12 @@ _ALARM = re.compile(r"\[mechmon\] ALARM at iteration (\d+): (\S+) layers? ([\d,]
 
 
 def env() -> dict[str, str]:
+    """The trainer's environment: the study's pinned CPU settings, so that the series (and the
+    fault run's alarm and divergence steps the tests assert on) are the same on any x86 CPU."""
+    from mechmon_megatron.research.reproducible_cpu import pinned_environment
+
     paths = [str(REPO_ROOT), str(REPO_ROOT / "examples" / "pretrain_scripts"), os.environ.get("PYTHONPATH", "")]
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(filter(None, paths)))
+    return pinned_environment(overrides={"PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(filter(None, paths))})
 
 
 def run(cmd: list[str], timeout_s: float = 300.0) -> str:

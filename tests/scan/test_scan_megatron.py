@@ -53,7 +53,20 @@ def test_healthy_series_has_no_anomaly(healthy, healthy_scan):
     assert warmup == 10 and summary["pairs"] >= warmup + 10
 
 
-def test_fault_first_anomaly_after_onset_before_divergence_in_an_online_layer(fault, fault_scan):
+def test_fault_first_anomaly_after_onset_before_divergence_where_the_fault_acts(fault, healthy, fault_scan):
+    """The scan's first anomaly lies between the onset and the loss divergence, in an attention
+    family, on a layer whose online Delta2 entropy the fault pulled down.
+
+    The series is trained under the study's pinned CPU settings (series.env), so these steps are
+    the same on any x86 CPU; the assertions still leave margins. Measured (Python 3.11, torch
+    2.13): first anomaly before 360, divergence 435; the flagged layer's online Delta2 entropy
+    below the healthy run's by 0.3-0.9 nats at every check from 320 on (bound asserted: 0.15 on
+    average). Why not "a layer the online detector alarmed on": the online session checks from step
+    100 and needs 10 accepted values before it judges (warm-up, interval 20), and its weight
+    snapshots are not in the checkpoint, so after the fork at 200 it checks again from 300 and
+    completes its warm-up with the faulty checks 300-360: its baseline absorbs part of the shift,
+    and whether it alarms before the run ends depends on the trajectory (it did not under the pin,
+    it did under the round-2 kernels). The scan sees every pair from the start."""
     out, summary = fault_scan
     first = summary["first_anomaly"]
     divergence = S.loss_divergence(fault)
@@ -62,8 +75,12 @@ def test_fault_first_anomaly_after_onset_before_divergence_in_an_online_layer(fa
     assert S.FAULT_ONSET <= first["before_iteration"] < divergence, (first, divergence)
     assert first["after_iteration"] < first["before_iteration"]
     assert first["family"] in ("attn_delta2", "attn_dw")
-    online_layers = {L for _, family, layers in fault.online_alarms if family.startswith("attn") for L in layers}
-    assert first["layer"] in online_layers, (first, fault.online_alarms)
+    tag = f"{names.PREFIX}/attn/delta2_entropy/layer_{first['layer']}"
+    steps = [t for t in sorted(fault.online_scalars)
+             if S.FAULT_ONSET < t < divergence and tag in fault.online_scalars[t]]
+    assert len(steps) >= 3, steps
+    drop = [healthy.online_scalars[t][tag] - fault.online_scalars[t][tag] for t in steps]
+    assert sum(drop) / len(drop) > 0.15, list(zip(steps, drop))
     report = (out / "report.html").read_text()
     assert report.index(summary["sentence"]) < report.index("<h1>")  # the sentence is on top
     assert summary["sentence"].startswith(

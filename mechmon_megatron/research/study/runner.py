@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+from mechmon_megatron.research.reproducible_cpu import pinned_environment
 from mechmon_megatron.research.study.scenarios import MECHMON_DIR, METRICS_FILE, TENSORBOARD_DIR, RunSpec
 
 TRAINER_MODULE = "gpt_trainer"
@@ -32,20 +33,13 @@ TRAINER_MODULE = "gpt_trainer"
 distribution, installed by ``make venv``): started as ``python -m gpt_trainer`` from any folder."""
 
 
-REPRODUCIBLE_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
-"""CPU kernels pinned for study runs. torch picks its vector kernels by CPU (AVX2 or AVX-512 on
-x86), and the two round differently: measured, the study model's loss differs from step 3 on and
-by 0.08 within 60 steps. With AVX2 on every x86 machine since 2013, the same flags give the same
-numbers on any of them (same torch, same corpus: see ``gpt_trainer.data.corpus_fingerprint``).
-An explicit value in the environment wins (``env_overrides``, or set it before launching)."""
-
-
 def run_environment(overrides: Optional[dict[str, str]] = None) -> dict[str, str]:
-    """The environment of one study run: one thread, unbuffered output, pinned CPU kernels (unless
-    the caller's environment sets them), and no inherited torch.distributed rank variables (each
-    run is its own single-process world)."""
-    env = {**REPRODUCIBLE_KERNELS, **os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-           "PYTHONUNBUFFERED": "1", **(overrides or {})}
+    """The environment of one study run: the pinned CPU settings of
+    :mod:`~mechmon_megatron.research.reproducible_cpu` (one thread, kernels that round the same on
+    every x86-64 CPU; they win over the caller's environment, ``overrides`` win over them),
+    unbuffered output, and no inherited torch.distributed rank variables (each run is its own
+    single-process world)."""
+    env = pinned_environment(overrides={"PYTHONUNBUFFERED": "1", **(overrides or {})})
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     return env

@@ -151,21 +151,25 @@ def test_sigterm_stops_the_runs_it_launched(tmp_path):
     assert not _alive(child)
 
 
-def test_study_runs_pin_the_cpu_kernels(tmp_path, monkeypatch):
-    """The runner pins torch's CPU kernels (AVX2 rounds differently from AVX-512); a value set by
-    the user wins."""
+def test_study_runs_pin_the_cpu_settings(tmp_path, monkeypatch):
+    """The runner starts every run under the pinned CPU settings (research/reproducible_cpu.py):
+    they win over the caller's environment (ATen, MKL and oneDNN round differently per CPU), the
+    caller's environment is untouched, and a run's explicit override wins over the pin."""
+    import json
+    import os
     import sys
 
-    from mechmon_megatron.research.study.runner import REPRODUCIBLE_KERNELS, launch_runs
+    from mechmon_megatron.research.reproducible_cpu import PINNED_CPU_SETTINGS
+    from mechmon_megatron.research.study.runner import launch_runs, run_environment
     from mechmon_megatron.research.study.scenarios import RunSpec
 
-    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
-    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "SSE4_2")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    monkeypatch.setenv("MKL_CBWR", "AVX2")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     spec = RunSpec(scenario="clean", seed=1, train_iters=1, fault_onset=None)
-    script = (
-        "import os, json; open('env.json', 'w').write(json.dumps({k: os.environ.get(k) for k in "
-        "('ATEN_CPU_CAPABILITY', 'MKL_ENABLE_INSTRUCTIONS')}))"
-    )
+    keys = sorted(PINNED_CPU_SETTINGS)
+    script = f"import os, json; open('env.json', 'w').write(json.dumps({{k: os.environ.get(k) for k in {keys!r}}}))"
     launch_runs(
         [spec],
         str(tmp_path),
@@ -173,10 +177,7 @@ def test_study_runs_pin_the_cpu_kernels(tmp_path, monkeypatch):
         poll_s=0.1,
         command_for=lambda s, d: [sys.executable, "-c", script.replace("env.json", f"{d}/env.json")],
     )
-    import json
-
     seen = json.load(open(tmp_path / "runs" / spec.run_id / "env.json"))
-    assert seen == {
-        "ATEN_CPU_CAPABILITY": REPRODUCIBLE_KERNELS["ATEN_CPU_CAPABILITY"],
-        "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
-    }
+    assert seen == PINNED_CPU_SETTINGS
+    assert os.environ["ATEN_CPU_CAPABILITY"] == "default" and "ONEDNN_MAX_CPU_ISA" not in os.environ
+    assert run_environment({"MKL_CBWR": "AUTO"})["MKL_CBWR"] == "AUTO"
