@@ -14,13 +14,15 @@ STAMP_CURRENT := $(VENV_CURRENT)/.mechmon-installed
 
 .PHONY: venv venv-current lint test test-current test-slow demo bench gpu-wheels clean
 
-$(STAMP): setup.py pyproject.toml tools/requirements/pinned-cpu.txt tools/bootstrap_venv.sh
+$(STAMP): setup.py pyproject.toml mechmon_megatron/_version.py examples/pretrain_scripts/setup.py \
+          tools/requirements/pinned-cpu.txt tools/bootstrap_venv.sh
 	bash tools/bootstrap_venv.sh $(VENV)
 	touch $(STAMP)
 
 venv: $(STAMP)
 
-$(STAMP_CURRENT): setup.py pyproject.toml tools/requirements/pinned-current.txt tools/bootstrap_current_venv.sh
+$(STAMP_CURRENT): setup.py pyproject.toml mechmon_megatron/_version.py examples/pretrain_scripts/setup.py \
+                  tools/requirements/pinned-current.txt tools/bootstrap_current_venv.sh
 	bash tools/bootstrap_current_venv.sh $(VENV_CURRENT)
 	touch $(STAMP_CURRENT)
 

@@ -1,6 +1,18 @@
 """mechmon-megatron: mechanism-driven training-instability monitors for Megatron-LM and DeepSpeed."""
 
+import re
+
 from setuptools import find_packages, setup
+
+
+def _version() -> str:
+    """``__version__`` of mechmon_megatron/_version.py, read as text: building never imports torch."""
+    with open("mechmon_megatron/_version.py", encoding="utf-8") as f:
+        match = re.search(r'^__version__ = "([^"]+)"$', f.read(), re.MULTILINE)
+    if match is None:
+        raise RuntimeError("mechmon_megatron/_version.py has no __version__ line")
+    return match.group(1)
+
 
 # Users keep their own torch build (CUDA, ROCm, CPU); we only state the range we test.
 INSTALL_REQUIRES = ["torch>=2.4", "numpy>=1.24"]
@@ -36,7 +48,7 @@ def _patch_files() -> list[tuple[str, list[str]]]:
 
 setup(
     name="mechmon-megatron",
-    version="0.1.0",
+    version=_version(),
     description=(
         "Mechanism-driven monitors (QK-increment spectral entropy, MoE routing entropy) "
         "for Megatron-LM and DeepSpeed pre-training"
@@ -44,10 +56,13 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    # The product and its research / testing sub-packages, plus the example megatron-core trainer
-    # (``python -m gpt_trainer``), which the fault study launches by module.
-    packages=find_packages(include=["mechmon_megatron", "mechmon_megatron.*"]) + ["gpt_trainer"],
-    package_dir={"gpt_trainer": "examples/pretrain_scripts/gpt_trainer"},
+    # The product only. mechmon_megatron.research (the studies) and mechmon_megatron.testing (CPU
+    # shims) stay in the source tree: the editable install of a checkout (`make venv`) imports them
+    # from there, a wheel never ships them. The example trainer (top-level ``gpt_trainer``) is its
+    # own distribution, examples/pretrain_scripts/setup.py. tests/test_packaging.py lists the wheel.
+    packages=find_packages(include=["mechmon_megatron", "mechmon_megatron.*"],
+                           exclude=["mechmon_megatron.research", "mechmon_megatron.research.*",
+                                    "mechmon_megatron.testing", "mechmon_megatron.testing.*"]),
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
     data_files=_patch_files(),

@@ -12,9 +12,12 @@ The product, in layers (imports only point downwards; docs/ARCHITECTURE.md):
   holds the ``--mechmon*`` flags. ``mechmon_megatron.megatron_lm`` and
   ``mechmon_megatron.deepspeed`` are stable aliases of two entry points.
 
-Beside the product, never imported by it: ``mechmon_megatron.research`` (fault injectors,
-symptom-rule baselines, the studies) and ``mechmon_megatron.testing`` (CPU shims of
-megatron-core and Megatron-LM for tests, examples and the study).
+Beside the product, never imported by it and not in the wheel (they run from a checkout, where
+``make venv`` installs the package editable): ``mechmon_megatron.research`` (fault injectors,
+symptom-rule baselines, the per-stream rule of 0.1, the studies) and ``mechmon_megatron.testing``
+(CPU shims of megatron-core and Megatron-LM for tests, examples and the study).
 """
 
-__version__ = "0.1.0"
+from mechmon_megatron._version import __version__
+
+__all__ = ["__version__"]

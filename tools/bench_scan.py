@@ -25,16 +25,13 @@ import json
 import os
 import platform
 import resource
-import sys
 import tempfile
 import time
 from typing import Optional, Sequence
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from mechmon_megatron.scan import ScanConfig, run_scan  # noqa: E402
+from mechmon_megatron.scan import ScanConfig, run_scan
 
 
 def _increment(shape: tuple[int, int], gen: torch.Generator) -> torch.Tensor:

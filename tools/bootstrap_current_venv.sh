@@ -70,5 +70,8 @@ trap 'rm -f "$CONSTRAINTS"' EXIT
 echo "torch==${TORCH_HAVE%%+*}" > "$CONSTRAINTS"
 echo "[bootstrap-current] installing pinned requirements (torch stays at $TORCH_HAVE)"
 quiet "${PIP[@]}" install -q -c "$CONSTRAINTS" -r "$ROOT/tools/requirements/pinned-current.txt"
-quiet "${PIP[@]}" install -q -c "$CONSTRAINTS" --no-deps -e "$ROOT"
+# The product and, as a second distribution, the example trainer (python -m gpt_trainer), both
+# editable: the studies and the CPU shims (mechmon_megatron.research / .testing) are not in the
+# wheel and import from this checkout through the editable install.
+quiet "${PIP[@]}" install -q -c "$CONSTRAINTS" --no-deps -e "$ROOT" -e "$ROOT/examples/pretrain_scripts"
 echo "[bootstrap-current] ready: $VENV (Python $("$VENV/bin/python" -c 'import sys; print(sys.version.split()[0])'), torch $TORCH_HAVE, megatron-core $("$VENV/bin/python" -m pip show megatron-core 2>/dev/null | sed -n 's/^Version: //p'))"

@@ -33,5 +33,8 @@ trap 'rm -f "$CONSTRAINTS"' EXIT
 echo "torch==$TORCH_HAVE" > "$CONSTRAINTS"
 echo "[bootstrap] installing pinned requirements (torch stays at $TORCH_HAVE)"
 "${PIP[@]}" install -q -c "$CONSTRAINTS" -r "$ROOT/tools/requirements/pinned-cpu.txt"
-"${PIP[@]}" install -q -c "$CONSTRAINTS" --no-deps -e "$ROOT"
+# The product and, as a second distribution, the example trainer (python -m gpt_trainer), both
+# editable: the studies and the CPU shims (mechmon_megatron.research / .testing) are not in the
+# wheel and import from this checkout through the editable install.
+"${PIP[@]}" install -q -c "$CONSTRAINTS" --no-deps -e "$ROOT" -e "$ROOT/examples/pretrain_scripts"
 echo "[bootstrap] ready: $VENV (torch $TORCH_HAVE)"

@@ -37,6 +37,9 @@ if ! "$PY" -c 'import megatron.core' >/dev/null 2>&1; then
              "here and carry .whl (the A/B part will fail)" >>"$LOG"
     fi
 fi
+# The GPU machine runs a copy of the tree that is not pip-installed: the checkout (the package with
+# its research / testing code) and the example trainer go on PYTHONPATH here, so the Python tools
+# import them as they import the editable installs of `make venv`, without editing sys.path.
 export PYTHONPATH="$ROOT:$ROOT/examples/pretrain_scripts${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 "$PY" "$ROOT/tools/gpu_check/run_all.py" --out "$OUT_DIR" --python "$PY" "$@"

@@ -15,6 +15,8 @@ differences, and the BF16 rounding noise energy ``||dW_model - dW_main||_F^2 / |
 
 On a CPU-only machine the megatron-core mixed-precision optimizers need one more CPU shim than
 ``mechmon_megatron.testing.cpu_megatron`` has (:func:`allow_cpu_mixed_precision_optimizers`).
+The trainer (``gpt_trainer``) and the shims come from the checkout's editable installs
+(``make venv``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from typing import Any, Optional
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
 MODEL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
          "--micro-batch-size", "4", "--use-cpu-initialization", "--corpus-max-bytes", "2000000"]
 
@@ -212,7 +213,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     if min(checks) - args.delta < 0 or max(checks) > args.train_iters:
         parser.error("every check t needs 0 <= t - --delta and t <= --train-iters")
 
-    sys.path.insert(0, str(REPO / "examples" / "pretrain_scripts"))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from mechmon_megatron.testing.cpu_megatron import enable_cpu_compat
 

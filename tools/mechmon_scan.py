@@ -1,11 +1,11 @@
-"""``python tools/mechmon_scan.py ...``: the same as ``mechmon-scan`` (docs/SCAN.md), from a checkout."""
+"""``python tools/mechmon_scan.py ...``: the same as ``mechmon-scan`` (docs/SCAN.md).
 
-import os
+It runs the installed package (``make venv`` installs the checkout editable), like the console script.
+"""
+
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from mechmon_megatron.scan.cli import main  # noqa: E402
+from mechmon_megatron.scan.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

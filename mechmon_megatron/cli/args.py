@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable, Optional
 
+from mechmon_megatron._version import __version__
 from mechmon_megatron.session.config import ACTIONS, MONITOR_FAMILIES, MechmonConfig
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
@@ -152,8 +153,9 @@ def config_from_args(args: argparse.Namespace) -> MechmonConfig:
     for flag in REMOVED_FLAGS:
         if getattr(args, flag[2:].replace("-", "_"), None) is not None:
             raise ValueError(
-                f"{flag} was removed in mechmon 0.2: the detector sets its thresholds from one number, "
-                "--mechmon-false-alarm-rate (expected false alarms per 10^6 steps for the whole job)."
+                f"{flag} was removed in mechmon 0.2 (this is {__version__}): the detector sets its thresholds "
+                "from one number, --mechmon-false-alarm-rate (expected false alarms per 10^6 steps for the "
+                "whole job)."
             )
     monitors = tuple(m.strip() for m in str(args.mechmon_monitors).split(",") if m.strip())
     return MechmonConfig(

@@ -9,18 +9,10 @@ The whole-job detector the session runs (docs/METHOD.md, section 7):
 - :mod:`~mechmon_megatron.detect.null_model` -- the measured null tails (``null_tails.json``)
   and the thresholds that one false-alarm rate for the whole job implies.
 
-The per-stream rule of mechmon 0.1 (:class:`BaselineRelativeDetector`, :class:`DetectorBank`) is
-kept for comparison and for replaying 0.1 runs; the session no longer uses it.
+The per-stream rule of mechmon 0.1, which the session no longer uses, lives with the studies
+that compare against it: ``mechmon_megatron.research.detect_v01``.
 """
 
-from mechmon_megatron.detect.bank import DetectorBank, first_path_component
-from mechmon_megatron.detect.baseline_relative import (
-    DETECTOR_STATE_VERSION,
-    BaselineRelativeDetector,
-    DetectorEvent,
-    Status,
-)
-from mechmon_megatron.detect.config import DetectorConfig, default_detector_configs
 from mechmon_megatron.detect.null_model import (
     DEFAULT_FALSE_ALARM_RATE,
     JobShape,
@@ -43,11 +35,6 @@ from mechmon_megatron.detect.robust_trend import RobustTrend, TrendConfig
 
 __all__ = [
     "DEFAULT_FALSE_ALARM_RATE",
-    "DETECTOR_STATE_VERSION",
-    "BaselineRelativeDetector",
-    "DetectorBank",
-    "DetectorConfig",
-    "DetectorEvent",
     "FamilyThresholds",
     "JobShape",
     "NullTail",
@@ -56,13 +43,10 @@ __all__ = [
     "PooledCusumDetector",
     "RobustTrend",
     "SequentialConfig",
-    "Status",
     "TailTable",
     "Thresholds",
     "TrendConfig",
-    "default_detector_configs",
     "default_sequential_config",
-    "first_path_component",
     "fit_null_tail",
     "load_tail_table",
     "thresholds_for_job",

@@ -7,7 +7,7 @@ the full-matrix dW). Pure torch, no host imports.
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
 
@@ -24,23 +24,6 @@ from mechmon_megatron.session.records import CheckOutput, NonFinite, Partial, St
 
 ATTN_DELTA2 = "attn_delta2"
 ATTN_DW = "attn_dw"
-
-
-def snapshot_heads(weights: QKWeights, device: Optional[torch.device]) -> QKWeights:
-    """Detached copy of the per-head weights (on ``device`` or where they are)."""
-    return QKWeights(
-        wq=_copy(weights.wq, device),
-        wk=_copy(weights.wk, device),
-        head_offset=weights.head_offset,
-    )
-
-
-def snapshot_full(weights: FullQK, device: Optional[torch.device]) -> FullQK:
-    return FullQK(wq=_copy(weights.wq, device), wk=_copy(weights.wk, device))
-
-
-def _copy(t: torch.Tensor, device: Optional[torch.device]) -> torch.Tensor:
-    return t.detach().to(device=device if device is not None else t.device, copy=True)
 
 
 def _finite(*tensors: torch.Tensor) -> bool:

@@ -10,7 +10,7 @@ The routing-entropy stream carries an absolute floor besides its baseline-relati
 (``--mechmon-router-min-effective-experts``, default the router's top-k). exp(mean entropy) below
 top-k means tokens put their routing probability on fewer experts than each is dispatched to,
 the signature of the stable-winner loop (docs/METHOD.md section 6). The floor stands in for the baseline
-while there is none (``detect.baseline_relative``): it catches a collapse that starts with
+while there is none (``Observation.limit`` in ``detect.pooled_cusum``): it catches a collapse that starts with
 training, which the warm-up would otherwise absorb; a healthy router that forms its baseline and
 later sharpens slowly is judged against that baseline only.
 

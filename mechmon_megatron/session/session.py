@@ -53,7 +53,9 @@ from mechmon_megatron.session.writers import ScalarWriter, WriterGroup
 logger = logging.getLogger(__name__)
 
 STATE_VERSION = 2
-"""2: the whole-job detector (0.2); 1: the per-stream detector of 0.1 (its baselines are not reused)."""
+"""Format of the saved monitor state, not the package version (``mechmon_megatron.__version__``): it
+changes only when the format does. 2: the whole-job detector (since 0.2); 1: the per-stream
+detector of 0.1 (its baselines are not reused)."""
 
 __all__ = ["Decision", "MechmonStrictError", "MonitoringSession"]
 

@@ -6,5 +6,6 @@
   ``python -m mechmon_megatron.testing.megatron_lm_cpu pretrain_gpt.py ...``.
 
 Nothing here is needed for, or reached by, a GPU job: the product (core, session, adapters,
-cli) never imports this package (tests/test_architecture.py).
+cli) never imports this package (tests/test_architecture.py), and the wheel does not ship it
+(tests/test_packaging.py): it runs from a checkout.
 """

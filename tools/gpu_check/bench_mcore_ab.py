@@ -3,6 +3,10 @@
     python tools/gpu_check/bench_mcore_ab.py --device cuda --json-out ab.json     # the GPU check
     python tools/gpu_check/bench_mcore_ab.py --device cpu --tiny                   # CPU smoke test
 
+mechmon_megatron comes from the installed package (``make venv`` installs the checkout editable,
+with the research and testing packages this script also uses); on the GPU machine, which runs a
+copy of the tree without installing it, tools/gpu_check.sh puts the checkout on ``PYTHONPATH``.
+
 Model (default): megatron-core ``GPTModel`` with the local layer spec (no Transformer Engine) and
 scaled-dot-product attention as core attention (``torch.nn.functional.scaled_dot_product_attention``,
 FlashAttention-2 kernels on a GPU in BF16), 20 layers, hidden 2048, 16 heads, FFN 8192, vocab
@@ -33,13 +37,8 @@ import time
 from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-for _path in (ROOT, os.path.join(ROOT, "examples", "pretrain_scripts")):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
-
-import torch  # noqa: E402
-import torch.distributed  # noqa: E402
+import torch
+import torch.distributed
 
 FULL = dict(num_layers=20, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=8192, vocab_size=32768,
             seq_length=2048, micro_batch_size=4)

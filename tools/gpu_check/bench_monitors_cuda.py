@@ -14,16 +14,30 @@ and ``device_name``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
+from types import ModuleType
 from typing import Optional, Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import torch
 
-import bench_monitors  # noqa: E402
-import torch  # noqa: E402
+
+def _load_bench_monitors() -> ModuleType:
+    """``tools/bench_monitors.py``, a sibling script rather than a package module, loaded from its
+    file; mechmon_megatron itself comes from the installed package (``make venv``) or, on the GPU
+    machine, from the checkout that tools/gpu_check.sh puts on ``PYTHONPATH``."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench_monitors.py")
+    spec = importlib.util.spec_from_file_location("bench_monitors", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bench_monitors = _load_bench_monitors()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:

@@ -1,7 +1,7 @@
 """The per-stream rule of mechmon 0.1 fed with the whole-job detector's inputs, for comparisons.
 
-One :class:`~mechmon_megatron.detect.BaselineRelativeDetector` per stream with the 0.1 session
-defaults (warm-up 10 checks, median/MAD of the last 50, 6 MADs, 5 % floor, patience 3), the
+One :class:`~mechmon_megatron.research.detect_v01.BaselineRelativeDetector` per stream with the
+0.1 session defaults (warm-up 10 checks, median/MAD of the last 50, 6 MADs, 5 % floor, patience 3), the
 same observations the session's detector sees (``session.detector_inputs``).
 """
 
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from mechmon_megatron.detect import DetectorBank, DetectorEvent, Observation, default_detector_configs
+from mechmon_megatron.detect import Observation
+from mechmon_megatron.research.detect_v01 import DetectorBank, DetectorEvent, default_detector_configs
 
 
 def per_stream_bank() -> DetectorBank:

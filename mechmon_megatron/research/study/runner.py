@@ -29,8 +29,8 @@ from mechmon_megatron.research.reproducible_cpu import pinned_environment
 from mechmon_megatron.research.study.scenarios import MECHMON_DIR, METRICS_FILE, TENSORBOARD_DIR, RunSpec
 
 TRAINER_MODULE = "gpt_trainer"
-"""The example trainer with the monitors (``examples/pretrain_scripts/gpt_trainer``, installed
-with the package): started as ``python -m gpt_trainer``, so no source checkout is needed."""
+"""The example trainer with the monitors (``examples/pretrain_scripts/gpt_trainer``, its own
+distribution, installed by ``make venv``): started as ``python -m gpt_trainer`` from any folder."""
 
 
 def run_environment(overrides: Optional[dict[str, str]] = None) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""The mechmon alarm rule: a robust, baseline-relative band with patience and re-arm.
+"""The per-stream alarm rule of mechmon 0.1: a robust, baseline-relative band with patience and re-arm.
 
 Per check (one value of one stream, e.g. the Delta2 spectral entropy of layer 3 head 5):
 
@@ -24,7 +24,8 @@ the limit have formed the baseline, the baseline-relative band alone decides (a 
 may drift past an absolute level over a long run; the paper asks for healthy-baseline
 comparisons). It exists for faults that start with training, which a baseline formed in the
 first checks would absorb (e.g. a routing-entropy collapse under a mis-set learning rate: the
-session's limit is log(top-k), see ``session.router_check``).
+session's limit is log(top-k), see ``session.router_check``; the 0.2 detector keeps that limit,
+``detect.pooled_cusum``).
 
 ``scale`` is 1.4826 x MAD of the window (``median``) or sqrt(pi/2) x EMA of |deviation|
 (``ema``); a zero scale (constant stream) is covered by the relative / absolute floors.
@@ -38,7 +39,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from mechmon_megatron.detect.config import DetectorConfig
+from mechmon_megatron.research.detect_v01.config import DetectorConfig
 
 __all__ = ["DETECTOR_STATE_VERSION", "BaselineRelativeDetector", "DetectorEvent", "Status"]
 
@@ -64,7 +65,7 @@ class DetectorEvent:
         fired: True only on the check where a new alarm fires (count alarms with it).
         first_warning_step: step of the first check of the current out-of-band run, None when
             in band; on an alarm it gives the warning lead time.
-        name: stream name (set by :class:`~mechmon_megatron.detect.bank.DetectorBank`).
+        name: stream name (set by :class:`~mechmon_megatron.research.detect_v01.bank.DetectorBank`).
         limit: the absolute limit of this check (NaN when none was given).
         beyond_limit: True when the value lay beyond ``limit`` during warm-up (out of band
             because of it; after warm-up the limit is not used and this is False).

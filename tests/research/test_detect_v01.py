@@ -1,4 +1,4 @@
-"""The mechmon alarm rule: baseline-relative band, patience, re-arm, state, and the bank."""
+"""The per-stream rule of mechmon 0.1 (research/detect_v01): band, patience, re-arm, state, the bank."""
 
 import dataclasses
 import json
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from mechmon_megatron.detect import (
+from mechmon_megatron.research.detect_v01 import (
     BaselineRelativeDetector,
     DetectorBank,
     DetectorConfig,

@@ -2,8 +2,8 @@
 
 Stream names are ``/``-separated, lower_snake (e.g. ``"attn_delta2/layer_3/head_5"``). Each
 stream belongs to a family (``attn_delta2``, ``router_entropy``, ...) whose
-:class:`~mechmon_megatron.detect.config.DetectorConfig` builds its detector on first use. The
-family is the ``family=`` argument of the first ``update`` for that stream, else
+:class:`~mechmon_megatron.research.detect_v01.config.DetectorConfig` builds its detector on first
+use. The family is the ``family=`` argument of the first ``update`` for that stream, else
 ``family_of(name)`` (by default the first path component of the name).
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from mechmon_megatron.detect.baseline_relative import BaselineRelativeDetector, DetectorEvent
-from mechmon_megatron.detect.config import DetectorConfig, default_detector_configs
+from mechmon_megatron.research.detect_v01.baseline_relative import BaselineRelativeDetector, DetectorEvent
+from mechmon_megatron.research.detect_v01.config import DetectorConfig, default_detector_configs
 
 __all__ = ["BANK_STATE_VERSION", "DetectorBank", "first_path_component"]
 

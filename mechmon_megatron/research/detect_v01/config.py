@@ -1,4 +1,4 @@
-"""Configuration of the mechmon alarm rule (:class:`DetectorConfig`) and per-family defaults.
+"""Configuration of the 0.1 per-stream alarm rule (:class:`DetectorConfig`) and per-family defaults.
 
 The paper leaves thresholds open ("compare against a healthy baseline, not an absolute value",
 docs/METHOD.md section 10), so every number here is configuration with a documented default.
