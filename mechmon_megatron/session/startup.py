@@ -159,7 +159,7 @@ def check_detector(config: MechmonConfig, layers: Mapping[str, int]) -> None:
             f"--mechmon-false-alarm-rate {rate:g} is beyond the measured null tails: each test would alarm "
             f"falsely with probability {per_test:.3g} per check, more than P0(S > u0) = {math.exp(lowest):.3g} "
             f"of {family} ({level} test, --mechmon-detector-calibration {source}); use a rate below "
-            f"{most:.3g} per 10^6 steps at --mechmon-interval {config.interval}"
+            f"{most:.3g} per 10^6 steps for a check every {config.interval} steps"
         )
 
 
