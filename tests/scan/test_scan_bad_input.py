@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from mechmon_megatron.scan import ScanConfig, main, run_scan
-from mechmon_megatron.scan.outputs.manifest import MANIFEST
 from tests.scan.synthetic import HEADS, write_series
 
 ITERATIONS = [10, 20, 30, 40]
@@ -75,6 +74,8 @@ def test_row1_an_unrelated_folder_keeps_its_outputs(run_dir, tmp_path, capsys):
 
 
 def test_row1_the_scan_marks_its_folder_and_reruns_into_it(run_dir, tmp_path):
+    from mechmon_megatron.scan.outputs.manifest import MANIFEST
+
     out = tmp_path / "out"
     assert scan(str(run_dir), "--out", str(out)) == 0
     manifest = json.loads((out / MANIFEST).read_text())
