@@ -323,3 +323,15 @@ def test_megatron_lm_refuses_a_bad_calibration_at_parse_time(tmp_path, capsys):
     assert err.splitlines()[-1] == (f"mechmon: error: --mechmon-detector-calibration: no usable null-tail table in "
                                     f"{path}: tails['1']['attn_delta2']['layer'].theta must be a finite number > 0 "
                                     "(the tail's decay rate), got 0")
+
+
+def test_deepspeed_example_refuses_before_the_process_group(tmp_path, capsys, monkeypatch):
+    """The DeepSpeed host as the example script runs it: the "mechmon" section is checked right
+    after the flags are parsed, before deepspeed.init_distributed (exit 2, one line naming the key)."""
+    monkeypatch.syspath_prepend(str(REPO / "examples" / "pretrain_scripts"))
+    from deepspeed_moe_mechmon import main
+
+    assert main(["--mechmon-set", 'action="checkpoint-and-abort"']) == 2  # no --save: no checkpoint_dir
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and ": error: ds_config.mechmon.action checkpoint-and-abort saves" in err, err
+    assert "checkpoint_dir" in err and "Traceback" not in err
