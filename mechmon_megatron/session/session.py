@@ -55,6 +55,7 @@ from mechmon_megatron.session.snapshots import (
     snapshot_bytes,
     weights_device,
 )
+from mechmon_megatron.session.startup import QUIET_SNAPSHOT_SETS
 from mechmon_megatron.session.writers import ScalarWriter, WriterGroup
 
 logger = logging.getLogger(__name__)
@@ -120,7 +121,9 @@ class MonitoringSession:
         device = weights_device(self.attention_sites)
         self.snapshots = SnapshotStore(resolve_placement(config, budget, device))
         if self.attention_sites:
-            logger.info(describe_budget(config, budget, device, self.snapshots.placement, self.rank))
+            # Many sets at once (delta >> interval) is a memory cost the user should see, not only read.
+            level = logging.WARNING if config.overlap > QUIET_SNAPSHOT_SETS else logging.INFO
+            logger.log(level, describe_budget(config, budget, device, self.snapshots.placement, self.rank))
         self._overhead_s = 0.0
         self._step_start = time.perf_counter()
         self._pending_abort: Optional[Decision] = None

@@ -25,7 +25,7 @@ from mechmon_megatron.cli.args import add_mechmon_args, validate_mechmon_args
 from mechmon_megatron.detect.null_model import _TAIL_FILE
 from mechmon_megatron.session import names
 from mechmon_megatron.session.config import MechmonConfig
-from mechmon_megatron.session.host import AttentionSite, QKWeights
+from mechmon_megatron.session.host import AttentionSite, QKWeights, SnapshotBudget
 from mechmon_megatron.session.session import MechmonStrictError, MonitoringSession
 from mechmon_megatron.session.writers import TensorBoardScalarWriter, WriterGroup
 
@@ -219,6 +219,21 @@ def test_row9_many_snapshot_sets_are_warned_with_their_memory(caplog):
     with caplog.at_level(logging.WARNING, logger="mechmon_megatron.cli.args"):
         accepted(trainer_parser(), ["--train-iters", "5000", "--mechmon-interval", "10", "--mechmon-delta", "20"])
     assert not caplog.records  # a healthy schedule says nothing
+
+
+def test_row9_the_session_warns_its_snapshot_memory_on_every_host(caplog):
+    """DeepSpeed has no model shape at parse time: the session's own budget line (exact, per rank)
+    is a warning when more than a few sets are held, an info line otherwise."""
+    site = Toy(1).site()
+    rows = (Toy.HEADS + Toy.GROUPS) * Toy.HEAD_DIM * Toy.HIDDEN
+    site.snapshot_budget = SnapshotBudget(heads_elements=rows, full_elements=0, shared=False, element_size=4 * 128,
+                                          device=torch.device("cpu"))  # 1/8 MiB per set
+    with caplog.at_level(logging.INFO, logger="mechmon_megatron.session.session"):
+        MonitoringSession(MechmonConfig(enabled=True, interval=2, delta=20), [site], writer=WriterGroup())
+        MonitoringSession(MechmonConfig(enabled=True, interval=2, delta=4), [site], writer=WriterGroup())
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if "snapshots hold" in r.getMessage()]
+    assert lines[0][0] == logging.WARNING and "10 sets held at once" in lines[0][1] and "1.25 MiB" in lines[0][1]
+    assert lines[1][0] == logging.INFO and "2 sets held at once" in lines[1][1]
 
 
 # ---------------------------------------------------------------------------- item 2: never quiet silently
