@@ -296,6 +296,19 @@ def test_monitors_that_fail_at_every_check_say_so(tmp_path, caplog):
     assert active_scalars(tmp_path / "tb_ok") == {step: 1.0 for step in range(2, 11, 2)}
 
 
+def test_a_detector_that_cannot_be_built_is_reported_not_silent(tmp_path, caplog):
+    """A host that skips the start-up check (a library user building the config by hand) with a rate
+    no threshold fits: the detector fails at every check; TensorBoard and the log say so."""
+    toy = Toy(1)
+    config = MechmonConfig(enabled=True, interval=5, delta=5, false_alarm_rate=1e6)
+    writer = WriterGroup([TensorBoardScalarWriter.in_directory(str(tmp_path / "tb"))])
+    with caplog.at_level(logging.ERROR, logger="mechmon_megatron.session"):
+        run_steps(MonitoringSession(config, [toy.site()], writer=writer), [toy], 20)
+    assert active_scalars(tmp_path / "tb") == {5: 0.0, 10: 0.0, 15: 0.0, 20: 0.0}
+    quiet = [r.getMessage() for r in caplog.records if "did not run at" in r.getMessage()]
+    assert len(quiet) == 1 and "phase decision" in quiet[0] and "--mechmon-false-alarm-rate" in quiet[0]
+
+
 def test_under_strict_a_monitor_that_cannot_run_stops_the_job():
     toy = Toy(1)
     config = MechmonConfig(enabled=True, interval=2, delta=2, strict=True)
