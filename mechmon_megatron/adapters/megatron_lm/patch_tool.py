@@ -19,7 +19,9 @@ Pure Python (no ``patch`` or ``git`` binary). Safety, in both ways:
 * a file already carrying the edit is left alone (``apply`` twice = no change);
 * a file matching neither side (edited by hand, partially patched, another structure) is
   ``modified``: refused, with the reason (the file and what was expected);
-* files are written atomically (temporary file + ``os.replace``), keeping their mode.
+* files are written atomically (temporary file + ``os.replace``), keeping their mode; a symlink
+  is followed (the file it points to is edited and reverted, the link stays a link), and a file
+  that cannot be written is refused in one line before any file is written.
 """
 
 from __future__ import annotations
