@@ -250,6 +250,13 @@ def lr_lambda(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from mechmon_megatron.adapters.deepspeed import parse_section
+
+    try:  # the whole mechmon section, checked before any process group or model exists
+        parse_section(ds_config_from_args(args, int(os.environ.get("WORLD_SIZE", "1"))).get("mechmon", {}))
+    except ValueError as exc:
+        print(f"{os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr)
+        return 2
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     import deepspeed
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer

@@ -7,10 +7,15 @@ returns it) and can be chained with another provider via ``chain_providers``.
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 from typing import Callable, Optional
 
 from mechmon_megatron._version import __version__
 from mechmon_megatron.session.config import ACTIONS, MONITOR_FAMILIES, MechmonConfig
+from mechmon_megatron.session.startup import RunFacts, validate_startup
+
+logger = logging.getLogger(__name__)
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 _DEFAULTS = MechmonConfig()
@@ -186,12 +191,50 @@ def config_from_args(args: argparse.Namespace) -> MechmonConfig:
 
 
 def validate_mechmon_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> MechmonConfig:
-    """Parse-time validation: exits through ``parser.error`` (status 2) naming the bad flag."""
+    """Parse-time validation of the whole configuration (:func:`startup_config`): exits through
+    ``parser.error`` (status 2, one line naming the bad flag or file); logs the start-up warnings."""
     try:
-        return config_from_args(args)
+        return startup_config(args)
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits
+
+
+def startup_config(args: argparse.Namespace) -> MechmonConfig:
+    """The config of ``args``, checked once with what the host's own flags say of the run
+    (``session/startup.py``); ``ValueError`` names the flag. Warnings are logged on rank 0."""
+    config = config_from_args(args)
+    report = validate_startup(config, run_facts(args))
+    if os.environ.get("RANK", "0") == "0":  # once per job, not once per rank
+        for line in report.warnings:
+            logger.warning("[mechmon] %s", line)
+    return config
+
+
+def run_facts(args: argparse.Namespace) -> RunFacts:
+    """What a Megatron-style namespace (Megatron-LM, the example trainer) says of the run:
+    ``--train-iters``, ``--num-layers``, ``--save`` and the Q/K shape of one snapshot set."""
+    layers = getattr(args, "num_layers", None)
+    return RunFacts(
+        train_iters=getattr(args, "train_iters", None),
+        num_layers=layers if isinstance(layers, int) and layers > 0 else None,
+        snapshot_set_bytes=_snapshot_set_bytes(args),
+        save_dir=getattr(args, "save", None),
+        save_flag="--save",
+    )
+
+
+def _snapshot_set_bytes(args: argparse.Namespace) -> Optional[int]:
+    """FP32 W_q and W_k of every layer a rank holds (tensor and pipeline split): one snapshot set."""
+    layers, hidden, heads = (getattr(args, k, None) for k in ("num_layers", "hidden_size", "num_attention_heads"))
+    if not all(isinstance(v, int) and v > 0 for v in (layers, hidden, heads)):
+        return None
+    assert isinstance(layers, int) and isinstance(hidden, int) and isinstance(heads, int)
+    head_dim = getattr(args, "kv_channels", None) or hidden // heads
+    groups = getattr(args, "num_query_groups", None) or heads
+    split = (getattr(args, "tensor_model_parallel_size", None) or 1) * (getattr(args, "pipeline_model_parallel_size",
+                                                                               None) or 1)
+    return int(4 * layers * (heads + groups) * head_dim * hidden / max(1, split))
 
 
 def chain_providers(*providers: Optional[ArgsProvider]) -> ArgsProvider:

@@ -30,11 +30,11 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional
 
-from mechmon_megatron.detect.pooled_cusum import FamilyThresholds, Thresholds
+from mechmon_megatron.detect.pooled_cusum import FAMILY_DIRECTIONS, FamilyThresholds, Thresholds
 
 __all__ = [
     "DEFAULT_FALSE_ALARM_RATE",
@@ -44,6 +44,7 @@ __all__ = [
     "TailTable",
     "fit_null_tail",
     "load_tail_table",
+    "per_test_probability",
     "thresholds_for_job",
 ]
 
@@ -203,18 +204,110 @@ class TailTable:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> TailTable:
-        tails = {
-            int(m): {f: {lv: NullTail(**t) for lv, t in levels.items()} for f, levels in fams.items()}
-            for m, fams in data["tails"].items()
-        }
+    def from_dict(cls, data: Any) -> TailTable:
+        """The table of a calibration file's JSON; ``ValueError`` saying which entry is wrong.
+
+        Checked here, once, so that no check later divides by a zero ``theta`` or compares a
+        string: ``{"tails": {overlap: {family: {level: tail}}}}`` with overlaps positive integers,
+        families of :data:`FAMILY_DIRECTIONS`, levels ``layer`` / ``family``, and every tail
+        with the fields of :class:`NullTail` (``theta`` and ``theta_hat`` finite and > 0, ``u0``
+        finite and >= 0, ``log_p_u0`` finite and <= 0, counts integers >= 1).
+        """
+        if not isinstance(data, Mapping) or not isinstance(data.get("tails"), Mapping):
+            raise ValueError('expected a JSON object {"tails": {overlap: {family: {level: tail}}}}, got '
+                             f"{type(data).__name__}")
+        if not data["tails"]:
+            raise ValueError('"tails" is empty: no measured overlap')
+        tails: dict[int, dict[str, dict[str, NullTail]]] = {}
+        for key, families in data["tails"].items():
+            overlap = _overlap_key(key)
+            if not isinstance(families, Mapping) or not families:
+                raise ValueError(f"tails[{key!r}] must be a non-empty object of families")
+            tails[overlap] = {}
+            for family, levels in families.items():
+                if family not in FAMILY_DIRECTIONS:
+                    raise ValueError(f"tails[{key!r}]: unknown family {family!r}; known: {sorted(FAMILY_DIRECTIONS)}")
+                if not isinstance(levels, Mapping) or "layer" not in levels:
+                    raise ValueError(f"tails[{key!r}][{family!r}] must be an object with a \"layer\" tail")
+                tails[overlap][family] = {}
+                for level, entry in levels.items():
+                    if level not in TAIL_LEVELS:
+                        raise ValueError(f"tails[{key!r}][{family!r}]: unknown level {level!r}; known: "
+                                         f"{list(TAIL_LEVELS)}")
+                    tails[overlap][family][level] = _null_tail(entry, f"tails[{key!r}][{family!r}][{level!r}]")
         return cls(tails=tails, source=str(data.get("source", "")))
 
 
+TAIL_LEVELS = ("layer", "family")
+_TAIL_FIELDS = {f.name for f in fields(NullTail)}
+
+
+def _overlap_key(key: Any) -> int:
+    """A measured overlap: a positive integer (JSON keys are strings: ``"1"``, ``"5"``)."""
+    try:
+        overlap = int(str(key).strip())
+    except ValueError:
+        overlap = 0
+    if overlap < 1 or str(overlap) != str(key).strip():
+        raise ValueError(f"overlap key {key!r} must be a positive integer (ceil(delta / interval))")
+    return overlap
+
+
+def _null_tail(data: Any, where: str) -> NullTail:
+    if not isinstance(data, Mapping) or set(data) != _TAIL_FIELDS:
+        got = sorted(data) if isinstance(data, Mapping) else type(data).__name__
+        raise ValueError(f"{where} must have exactly the fields {sorted(_TAIL_FIELDS)}, got {got}")
+
+    def number(name: str, ok: Callable[[float], bool], rule: str) -> float:
+        value = data[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+            raise ValueError(f"{where}.{name} must be a finite number {rule}, got {value!r}")
+        return float(value)
+
+    def count(name: str) -> int:
+        value = data[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{where}.{name} must be an integer >= 1, got {value!r}")
+        return value
+
+    return NullTail(
+        u0=number("u0", lambda v: v >= 0, ">= 0"),
+        log_p_u0=number("log_p_u0", lambda v: v <= 0, "<= 0 (a log probability)"),
+        theta=number("theta", lambda v: v > 0, "> 0 (the tail's decay rate)"),
+        theta_hat=number("theta_hat", lambda v: v > 0, "> 0 (the tail's decay rate)"),
+        samples=count("samples"),
+        exceedances=count("exceedances"),
+    )
+
+
 def load_tail_table(path: Optional[str] = None) -> TailTable:
-    """The shipped calibration (``detect/null_tails.json``) or a user's file."""
+    """The shipped calibration (``detect/null_tails.json``) or a user's file.
+
+    ``OSError`` when it cannot be read, ``ValueError`` (the entry named) when it is no table."""
     with open(path or _TAIL_FILE, encoding="utf-8") as f:
-        return TailTable.from_dict(json.load(f))
+        text = f.read()
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ValueError("empty file" if not text.strip() else f"not JSON ({exc})") from None
+    return TailTable.from_dict(data)
+
+
+def per_test_probability(shape: JobShape, rate_per_million: float) -> float:
+    """``p = R / (N C)``: the false-alarm probability each test may spend at one check.
+
+    ``ValueError`` naming ``--mechmon-false-alarm-rate`` unless ``0 < p < 1``: a rate that
+    large asks every test to alarm at nearly every check, and no threshold can do that."""
+    tests = max(1, shape.num_tests())
+    per_test = rate_per_million / (tests * shape.checks_per_million())
+    if not 0 < per_test < 1:
+        most = tests * shape.checks_per_million()
+        raise ValueError(
+            f"--mechmon-false-alarm-rate {rate_per_million:g} asks each of the job's {tests} tests for a false "
+            f"alarm with probability {per_test:.3g} at every check (every {shape.interval} steps), which must be "
+            f"below 1: use a rate below {most:g} per 10^6 steps (the usual range is 0.001 to 100)"
+        )
+    return per_test
 
 
 def thresholds_for_job(
@@ -230,7 +323,7 @@ def thresholds_for_job(
         raise ValueError(f"warning factor must be >= 1, got {warning_factor}.")
     table = table or load_tail_table()
     tests = max(1, shape.num_tests())
-    per_test = rate_per_million / (tests * shape.checks_per_million())
+    per_test = per_test_probability(shape, rate_per_million)
     per_test_warning = min(0.5, per_test * warning_factor)
     out: dict[str, FamilyThresholds] = {}
     notes: list[str] = []

@@ -83,5 +83,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("mechmon-scan: interrupted; rerun the same command to continue from the cached pairs",
               file=sys.stderr)
         return 130
+    left_out = summary.get("skipped_checkpoints", [])
+    if left_out:  # also a warning line each, at the start; repeated here so the end of a log says it
+        print(f"mechmon-scan: {len(left_out)} checkpoint folder(s) left out of the series (unreadable): "
+              f"{', '.join(s['path'] for s in left_out)}; see summary.json 'skipped_checkpoints'", file=sys.stderr)
     print(f"mechmon-scan: {summary['sentence']} ({summary['pairs']} pairs; report: {args.out}/report.html)")
     return 0

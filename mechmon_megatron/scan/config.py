@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
-import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Literal, Optional
 
 from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE
 from mechmon_megatron.scan.errors import ScanInputError
+from mechmon_megatron.session.config import MechmonConfig
+from mechmon_megatron.session.startup import directory_problem
 
-__all__ = ["ScanConfig"]
+__all__ = ["ScanConfig", "scan_flags"]
+
+_SHARED_FLAGS = ("alpha", "false-alarm-rate", "qk-method", "detector-calibration")
+
+
+def scan_flags(message: str) -> str:
+    """A session message in the scan's flag names: ``--mechmon-alpha`` -> ``--alpha`` (the flags
+    the scan shares with the online session); the online-only ones keep their names."""
+    pattern = r"--mechmon-(" + "|".join(_SHARED_FLAGS) + r")\b"
+    return re.sub(pattern, r"--\1", message)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -65,26 +76,24 @@ class ScanConfig:
             raise ScanInputError("mechmon-scan needs at least one RUN_DIR_OR_CHECKPOINT argument.")
         if not self.out:
             raise ScanInputError("--out must name an output directory.")
-        if os.path.exists(self.out) and not os.path.isdir(self.out):
-            raise ScanInputError(f"--out {self.out!r} exists and is not a directory.")
+        problem = directory_problem(self.out)
+        if problem:
+            raise ScanInputError(f"--out {self.out!r} {problem}.")
         for flag, value in (("--every", self.every), ("--window", self.window)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ScanInputError(f"{flag} must be an integer >= 1 (checkpoints), got {value!r}.")
-        rate = self.false_alarm_rate
-        number = isinstance(rate, (int, float)) and not isinstance(rate, bool)
-        if not (number and math.isfinite(rate) and 0 < rate <= 1e6):
-            raise ScanInputError(
-                f"--false-alarm-rate must be a number in (0, 1e6] (false alarms per 10^6 steps), got {rate!r}."
-            )
         if self.detector_calibration is not None and not os.path.isfile(self.detector_calibration):
             raise ScanInputError(
                 f"--detector-calibration {self.detector_calibration!r} is not a file "
                 "(expected a null-tail JSON written by tools/calibrate_detector.py)."
             )
-        if not (math.isfinite(self.alpha) and self.alpha > 0):
-            raise ScanInputError(f"--alpha must be a number > 0, got {self.alpha!r}.")
-        if self.qk_method not in ("gram", "compressed"):
-            raise ScanInputError(f"--qk-method must be gram or compressed, got {self.qk_method!r}.")
+        # The values the online session shares are checked by the session's own rules: the scan
+        # and the trainer accept and refuse the same --alpha, rate and kernel.
+        try:
+            MechmonConfig(enabled=True, alpha=self.alpha, false_alarm_rate=self.false_alarm_rate,
+                          qk_method=self.qk_method, detector_calibration=self.detector_calibration)
+        except ValueError as exc:
+            raise ScanInputError(scan_flags(str(exc))) from None
         if self.layers is not None:
             self.layers = tuple(sorted(set(self.layers)))
             if not self.layers or any(isinstance(L, bool) or not isinstance(L, int) or L < 1 for L in self.layers):

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import platform
+import shutil
 import time
 from collections import defaultdict
 from typing import Any, Optional
@@ -19,16 +20,18 @@ from typing import Any, Optional
 import torch
 
 from mechmon_megatron.scan.cache import PairCache, fingerprint
-from mechmon_megatron.scan.config import ScanConfig
+from mechmon_megatron.scan.config import ScanConfig, scan_flags
 from mechmon_megatron.scan.errors import ScanInputError
+from mechmon_megatron.scan.outputs import manifest
 from mechmon_megatron.scan.outputs.report import write_report
 from mechmon_megatron.scan.outputs.staging import Staging
 from mechmon_megatron.scan.outputs.tensorboard import write_jsonl, write_tensorboard
 from mechmon_megatron.scan.pairs import PairRecord, compute_pair
 from mechmon_megatron.scan.readers import CheckpointReader, HeadHints, LayerWeights, open_reader
-from mechmon_megatron.scan.replay import ReplayResult, replay
+from mechmon_megatron.scan.replay import ReplayResult, replay, session_config
 from mechmon_megatron.scan.schedule import ScanPlan, make_plan
 from mechmon_megatron.scan.series import discover
+from mechmon_megatron.session.startup import check_detector
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +44,8 @@ SCALARS_FILE = "mechmon_scalars.jsonl"
 
 def _open_all(config: ScanConfig) -> tuple[ScanPlan, list[CheckpointReader], list[int], list[int]]:
     """Open every checkpoint (metadata only) and check the series before anything is computed."""
-    refs = discover(config.inputs, config.window)
-    plan = make_plan(refs, config.every, config.window)
+    refs, skipped = discover(config.inputs, config.window)
+    plan = make_plan(refs, config.every, config.window, tuple(skipped))
     if not plan.pairs:
         raise ScanInputError(f"--every {config.every} / --window {config.window} leave no pair among "
                              f"{len(refs)} checkpoints.")
@@ -163,6 +166,7 @@ def _summary(config: ScanConfig, plan: ScanPlan, readers: list[CheckpointReader]
         "format": readers[0].format,
         "checkpoints": [r.iteration for r in readers],
         "checkpoint_paths": [r.path for r in readers],
+        "skipped_checkpoints": [skip.to_json() for skip in plan.skipped],
         "layers": layers,
         "router_layers": routers,
         "heads": {str(L): _heads_json(readers[0], L) for L in layers},
@@ -200,11 +204,45 @@ def _heads_json(reader: CheckpointReader, layer: int) -> dict[str, int]:
     return {"num_heads": counts.num_heads, "num_groups": counts.num_groups, "head_dim": counts.head_dim}
 
 
+def _check_detector(config: ScanConfig, plan: ScanPlan, layers: list[int], routers: list[int]) -> None:
+    """The online session's start-up check of the detector, for the scan's shape (its checks,
+    window and layers): a rate or calibration that cannot give thresholds stops here, before
+    anything is computed or written."""
+    online = session_config(plan, config.false_alarm_rate, config.detector_calibration)
+    shape = {"attn_delta2": len(layers), "attn_dw": len(layers)}
+    if routers:
+        shape["router_weights"] = len(routers)
+    try:
+        check_detector(online, shape)
+    except ValueError as exc:
+        raise ScanInputError(scan_flags(str(exc))) from None
+
+
 def run_scan(config: ScanConfig) -> dict[str, Any]:
-    """Scan the series; returns the summary written to ``OUT/summary.json``."""
+    """Scan the series; returns the summary written to ``OUT/summary.json``.
+
+    Bad input found before the first pair is computed writes nothing; a folder this run created
+    is removed again when the scan stops on bad input later (a checkpoint unreadable mid-series).
+    """
     timing: dict[str, float] = defaultdict(float)
     timing["start"] = time.perf_counter()
+    manifest.check(config.out)  # before anything is read: --out must be ours (or new, or empty)
     plan, readers, layers, routers = _open_all(config)
+    _check_detector(config, plan, layers, routers)
+    created = manifest.claim(config.out)
+    stale = manifest.clean_stale(config.out)
+    if stale:
+        logger.warning("removed %s left in %s by an interrupted scan", ", ".join(stale), config.out)
+    try:
+        return _run(config, plan, readers, layers, routers, timing)
+    except ScanInputError:
+        if created:
+            shutil.rmtree(config.out, ignore_errors=True)
+        raise
+
+
+def _run(config: ScanConfig, plan: ScanPlan, readers: list[CheckpointReader], layers: list[int],
+         routers: list[int], timing: dict[str, float]) -> dict[str, Any]:
     os.makedirs(os.path.join(config.out, CACHE_DIR), exist_ok=True)
     needed = len({i for pair in plan.pairs for i in pair})
     progress = _Progress(needed * len(layers), config.progress)
@@ -234,5 +272,6 @@ def run_scan(config: ScanConfig) -> dict[str, Any]:
         old = os.path.join(config.out, "summary.json")
         if os.path.exists(old):
             os.remove(old)
+        manifest.record(config.out, entries + ["summary.json"])  # listed before they are moved in
         stage.commit(entries + ["summary.json"])
     return summary

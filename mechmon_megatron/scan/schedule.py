@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from mechmon_megatron.scan.series import CheckpointRef
+from mechmon_megatron.scan.series import CheckpointRef, SkippedCheckpoint
 
 __all__ = ["ScanPlan", "make_plan"]
 
@@ -30,12 +30,15 @@ class ScanPlan:
     delta: int
     """Increment window in steps (``window`` x ``save_interval``)."""
     notes: tuple[str, ...] = field(default_factory=tuple)
+    skipped: tuple[SkippedCheckpoint, ...] = ()
+    """Folders named like checkpoints of the series that could not be read (left out)."""
 
     def iterations(self, pair: tuple[int, int]) -> tuple[int, int]:
         return self.checkpoints[pair[0]].iteration, self.checkpoints[pair[1]].iteration
 
 
-def make_plan(refs: list[CheckpointRef], every: int, window: int) -> ScanPlan:
+def make_plan(refs: list[CheckpointRef], every: int, window: int,
+              skipped: tuple[SkippedCheckpoint, ...] = ()) -> ScanPlan:
     gaps = [b.iteration - a.iteration for a, b in zip(refs, refs[1:])]
     save_interval = max(1, int(statistics.median_low(gaps)))
     notes = []
@@ -48,5 +51,5 @@ def make_plan(refs: list[CheckpointRef], every: int, window: int) -> ScanPlan:
     pairs = tuple((i - window, i) for i in range(window, len(refs), every))
     return ScanPlan(
         checkpoints=tuple(refs), pairs=pairs, save_interval=save_interval, interval=every * save_interval,
-        delta=window * save_interval, notes=tuple(notes),
+        delta=window * save_interval, notes=tuple(notes), skipped=tuple(skipped),
     )

@@ -29,11 +29,12 @@ from mechmon_megatron.scan.readers import detect_format
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointRef", "discover"]
+__all__ = ["CheckpointRef", "SkippedCheckpoint", "discover"]
 
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
 _ITER = re.compile(r"^iter_(\d+)$")
 _STEP = re.compile(r"^global_step(\d+)$")
+_HF_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 _LAST_NUMBER = re.compile(r"(\d+)(?!.*\d)")
 KNOWN = "a Megatron iter_XXXXXXX directory (torch_dist or legacy mp_rank_*), a DeepSpeed global_stepN directory, " \
         "a folder of *.safetensors, or a run directory holding such checkpoints"
@@ -82,7 +83,27 @@ def _one(path: str) -> CheckpointRef | None:
     return CheckpointRef(iteration=iteration, path=os.path.abspath(path), format=fmt)
 
 
-def _in_run_dir(run_dir: str) -> list[CheckpointRef]:
+@dataclass(frozen=True, slots=True)
+class SkippedCheckpoint:
+    """A folder of a run directory named like a checkpoint that the scan leaves out, and why."""
+
+    path: str
+    reason: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"path": self.path, "reason": self.reason}
+
+
+def _why_unreadable(path: str) -> str:
+    names = os.listdir(path)
+    if not names:
+        return "empty folder"
+    if any(n.endswith(".distcp") for n in names) and ".metadata" not in names:
+        return "has *.distcp shards but no .metadata: an incomplete or damaged torch_dist save"
+    return f"no checkpoint of a known format inside (expected {KNOWN})"
+
+
+def _in_run_dir(run_dir: str, skipped: list[SkippedCheckpoint]) -> list[CheckpointRef]:
     limit = _tracker(run_dir)
     found = []
     for name in sorted(os.listdir(run_dir)):
@@ -91,18 +112,23 @@ def _in_run_dir(run_dir: str) -> list[CheckpointRef]:
             continue
         ref = _one(sub)
         if ref is None:
+            if _ITER.match(name) or _STEP.match(name) or _HF_CHECKPOINT.match(name):
+                skipped.append(SkippedCheckpoint(os.path.abspath(sub), _why_unreadable(sub)))
             continue
         if limit is not None and _ITER.match(name) and ref.iteration > limit:
-            logger.warning("%s: newer than %s (%d), an interrupted save: left out", sub, MEGATRON_TRACKER, limit)
+            skipped.append(SkippedCheckpoint(ref.path, f"newer than {MEGATRON_TRACKER} ({limit}): an interrupted "
+                                                       "save"))
             continue
         found.append(ref)
     return found
 
 
-def discover(paths: tuple[str, ...], window: int) -> list[CheckpointRef]:
-    """The series, sorted by iteration. ScanInputError for unknown paths, mixed formats,
-    duplicate iterations, or fewer than ``window + 1`` checkpoints."""
+def discover(paths: tuple[str, ...], window: int) -> tuple[list[CheckpointRef], list[SkippedCheckpoint]]:
+    """The series, sorted by iteration, and the folders named like checkpoints that were left
+    out (each logged as a warning). ScanInputError for unknown paths, mixed formats, duplicate
+    iterations, or fewer than ``window + 1`` checkpoints."""
     refs: list[CheckpointRef] = []
+    skipped: list[SkippedCheckpoint] = []
     for path in paths:
         if not os.path.exists(path):
             raise ScanInputError(f"{path}: no such file or directory; expected {KNOWN}.")
@@ -112,10 +138,12 @@ def discover(paths: tuple[str, ...], window: int) -> list[CheckpointRef]:
         if ref is not None:
             refs.append(ref)
             continue
-        inside = _in_run_dir(path)
+        inside = _in_run_dir(path, skipped)
         if not inside:
             raise ScanInputError(f"{path}: no checkpoint found; expected {KNOWN}.")
         refs.extend(inside)
+    for skip in skipped:
+        logger.warning("%s: left out of the scan: %s", skip.path, skip.reason)
     formats = sorted({r.format for r in refs})
     if len(formats) > 1:
         raise ScanInputError(f"the checkpoints mix formats {formats}; scan one series (one format) at a time.")
@@ -129,4 +157,4 @@ def discover(paths: tuple[str, ...], window: int) -> list[CheckpointRef]:
             f"found {len(refs)} checkpoint(s) ({found}); a scan compares checkpoint t with t - {window} "
             f"(--window {window}), so it needs at least {window + 1} checkpoints of one run."
         )
-    return refs
+    return refs, skipped

@@ -128,7 +128,13 @@ class MechmonConfig:
         unknown = [m for m in self.monitors if m not in MONITOR_FAMILIES]
         _require(not unknown, "monitors", f"unknown families {unknown}; choose from {list(MONITOR_FAMILIES)}")
         _require(len(self.monitors) > 0, "monitors", "must name at least one family")
-        _require(self.alpha > 0, "alpha", f"must be > 0, got {self.alpha}")
+        # inf / nan would pass a bare "> 0" and then fail inside every check's spectral entropy.
+        _require(
+            isinstance(self.alpha, (int, float)) and not isinstance(self.alpha, bool) and math.isfinite(self.alpha)
+            and self.alpha > 0,
+            "alpha",
+            f"must be a finite number > 0, got {self.alpha!r}",
+        )
         _require(
             self.qk_method in ("gram", "compressed"), "qk-method", f"must be gram or compressed, got {self.qk_method!r}"
         )

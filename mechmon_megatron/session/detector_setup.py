@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from mechmon_megatron.detect.null_model import JobShape, TailTable, load_tail_table, thresholds_for_job
 from mechmon_megatron.detect.pooled_cusum import (
@@ -23,7 +23,9 @@ from mechmon_megatron.detect.pooled_cusum import (
 )
 from mechmon_megatron.session.alert import Alert
 from mechmon_megatron.session.config import MechmonConfig
-from mechmon_megatron.session.host import AttentionSite, RouterSite
+
+if TYPE_CHECKING:  # annotations only: the start-up check (session/startup.py) runs without torch
+    from mechmon_megatron.session.host import AttentionSite, RouterSite
 
 logger = logging.getLogger(__name__)
 

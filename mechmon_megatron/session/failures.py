@@ -62,6 +62,7 @@ class FailureLog:
         self.strict = strict
         self.errors = 0
         self.pending: list[PhaseFailure] = []
+        self._logged: set[tuple[str, Optional[int], str]] = set()
 
     def run(self, phase: str, layer: Optional[int], iteration: int, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)``, or :data:`FAILED` after recording the exception (never raises)."""
@@ -77,10 +78,56 @@ class FailureLog:
         self.pending.append(failure)
         then = ("--mechmon-strict: every rank stops at this check" if self.strict
                 else "counted in mechmon/errors; training goes on")
-        logger.error("[mechmon] monitor failure (%s): %s", then, failure.describe(), exc_info=exc)
+        # The first of a kind with its traceback; a repeat at every check would bury the log (the
+        # writer's one line per QUIET_REPORT_EVERY checks says that the monitors stay off).
+        kind = (phase, layer, type(exc).__name__)
+        if kind in self._logged:
+            logger.debug("[mechmon] monitor failure again (%s): %s", then, failure.describe())
+        else:
+            self._logged.add(kind)
+            logger.error("[mechmon] monitor failure (%s): %s", then, failure.describe(), exc_info=exc)
         return failure
 
     def take(self) -> list[PhaseFailure]:
         """The failures since the last call (they travel with this check's payload)."""
         out, self.pending = self.pending, []
         return out
+
+
+QUIET_REPORT_EVERY = 10
+"""While the monitors stay off, the writer repeats its error line every this many checks."""
+
+
+class QuietMonitors:
+    """The writer's account of checks at which the monitors did not run (the user must know).
+
+    A check is active (``mechmon/active`` = 1) when the detector decided and no rank reported a
+    failure. The first inactive check, and every :data:`QUIET_REPORT_EVERY`-th one in a row
+    after it, logs one error line naming the cause; the first active check after them says so.
+    """
+
+    def __init__(self, every: int = QUIET_REPORT_EVERY) -> None:
+        self.every = every
+        self.quiet_checks = 0
+        self.since: Optional[int] = None
+
+    def update(self, iteration: int, failures: list[PhaseFailure]) -> bool:
+        """Record this check; True when it was active."""
+        if not failures:
+            if self.quiet_checks:
+                logger.warning("[mechmon] monitors running again at iteration %d after %d checks without them",
+                               iteration, self.quiet_checks)
+            self.quiet_checks, self.since = 0, None
+            return True
+        if self.since is None:
+            self.since = iteration
+        if self.quiet_checks % self.every == 0:
+            roots = sorted(failures, key=lambda f: f.error.startswith("PeerFailure"))
+            logger.error(
+                "[mechmon] the monitors did not run at %d check(s) in a row (since iteration %d; mechmon/active = 0): "
+                "%s%s. Training is NOT being watched; --mechmon-strict stops the job instead",
+                self.quiet_checks + 1, self.since, roots[0].describe(),
+                f" (+{len(roots) - 1} more at this check)" if len(roots) > 1 else "",
+            )
+        self.quiet_checks += 1
+        return False

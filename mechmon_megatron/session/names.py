@@ -43,6 +43,9 @@ Session:
     mechmon/overhead_ms   session wall time since the previous check (snapshots + this check), ms,
                           max over ranks (router-logit capture inside the forward is not included)
     mechmon/errors        cumulative count of monitor exceptions swallowed (non-strict mode)
+    mechmon/active        1 when every rank's checks ran and the detector decided at this check;
+                          0 when some phase failed (the job is not fully watched; the log names
+                          the cause once per 10 such checks)
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ ALARM = f"{PREFIX}/alarm"
 WARNINGS = f"{PREFIX}/warnings"
 OVERHEAD_MS = f"{PREFIX}/overhead_ms"
 ERRORS = f"{PREFIX}/errors"
+ACTIVE = f"{PREFIX}/active"
 DETECT_PREFIX = f"{PREFIX}/detect"
 
 

@@ -37,7 +37,14 @@ from mechmon_megatron.session.detector_setup import (
     load_detector_design,
     local_layers,
 )
-from mechmon_megatron.session.failures import FAILED, FailureLog, MechmonStrictError, PhaseFailure, strict_stop_message
+from mechmon_megatron.session.failures import (
+    FAILED,
+    FailureLog,
+    MechmonStrictError,
+    PhaseFailure,
+    QuietMonitors,
+    strict_stop_message,
+)
 from mechmon_megatron.session.host import AttentionSite, Communicator, LocalCommunicator, RouterSite
 from mechmon_megatron.session.records import CheckOutput, merge_partials
 from mechmon_megatron.session.router_check import empty_vector, local_router_vector, router_output
@@ -48,6 +55,7 @@ from mechmon_megatron.session.snapshots import (
     snapshot_bytes,
     weights_device,
 )
+from mechmon_megatron.session.startup import QUIET_SNAPSHOT_SETS
 from mechmon_megatron.session.writers import ScalarWriter, WriterGroup
 
 logger = logging.getLogger(__name__)
@@ -100,6 +108,7 @@ class MonitoringSession:
         for router in self.router_sites:
             router.num_bins = config.router_entropy_bins
         self.failures = FailureLog(self.rank, config.strict)
+        self._quiet = QuietMonitors()  # the writer's: checks at which the monitors did not run
         # Built by the writer at the first check, from every rank's layers (detector_setup).
         self.detector: Optional[PooledCusumDetector] = None
         self.detector_account: Optional[dict] = None
@@ -114,7 +123,9 @@ class MonitoringSession:
         device = weights_device(self.attention_sites)
         self.snapshots = SnapshotStore(resolve_placement(config, budget, device))
         if self.attention_sites:
-            logger.info(describe_budget(config, budget, device, self.snapshots.placement, self.rank))
+            # Many sets at once (delta >> interval) is a memory cost the user should see, not only read.
+            level = logging.WARNING if config.overlap > QUIET_SNAPSHOT_SETS else logging.INFO
+            logger.log(level, describe_budget(config, budget, device, self.snapshots.placement, self.rank))
         self._overhead_s = 0.0
         self._step_start = time.perf_counter()
         self._pending_abort: Optional[Decision] = None
@@ -358,8 +369,13 @@ class MonitoringSession:
         alerts = self.failures.run("decision", None, iteration, self._decide, iteration, gathered, drill)
         if alerts is FAILED:
             alerts = [_drill_alert(iteration)] if drill else []
+            # No detector decided: TensorBoard must say so too (the scalars of _decide never came).
+            errors = sum(p["errors"] for p in gathered if p["rank"] != self.rank) + self.failures.errors
+            self.failures.run("write", None, iteration, self._write,
+                              {names.ACTIVE: 0.0, names.ERRORS: float(errors)}, iteration)
         failures: list[PhaseFailure] = [f for payload in gathered for f in payload["failures"]]
         failures += self.failures.take()  # the writer's own, from the decision and the writers
+        self._quiet.update(iteration, failures)  # one error line per N checks while the monitors are off
         stop = strict_stop_message(failures) if (self.config.strict and failures) else None
         return {"alarm": bool(alerts), "alerts": alerts, "stop": stop}
 
@@ -417,6 +433,9 @@ class MonitoringSession:
         self._log_new_warnings(iteration, result.warnings)
         scalars.update({f"{names.DETECT_PREFIX}/{key}": value for key, value in result.statistics.items()})
         scalars[names.ALARM] = 1.0 if alerts else 0.0
+        # 1: every rank's checks ran and the detector decided (a failure so far makes it 0).
+        failed = any(payload["failures"] for payload in gathered) or bool(self.failures.pending)
+        scalars[names.ACTIVE] = 0.0 if failed else 1.0
         scalars[names.WARNINGS] = float(len(result.warnings))
         # Cumulative over ranks; the writer's own count includes failures of this decision so far.
         others = sum(p["errors"] for p in gathered if p["rank"] != self.rank)

@@ -288,3 +288,42 @@ def test_patch_tool_imports_without_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           env=dict(os.environ, PYTHONPATH=REPO))
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------------------- issue 22, row 8
+def test_symlinked_script_is_edited_where_it_lives_and_reverted(tmp_path):
+    """A checkout whose pretrain_gpt.py links to a shared copy: the link stays a link, the file it
+    points to is patched, and revert restores that file byte for byte."""
+    root = make_checkout(tmp_path, "core_v0.18")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.replace(os.path.join(root, "pretrain_gpt.py"), shared / "pretrain_gpt.py")
+    os.symlink(shared / "pretrain_gpt.py", os.path.join(root, "pretrain_gpt.py"))
+    original = (shared / "pretrain_gpt.py").read_bytes()
+    assert mp.main(["apply", str(root)]) == 0
+    assert os.path.islink(os.path.join(root, "pretrain_gpt.py"))
+    assert anchors.IMPORT_LINE in (shared / "pretrain_gpt.py").read_text()
+    assert mp.main(["revert", str(root)]) == 0
+    assert os.path.islink(os.path.join(root, "pretrain_gpt.py"))
+    assert (shared / "pretrain_gpt.py").read_bytes() == original
+    assert sorted(os.listdir(shared)) == ["pretrain_gpt.py"]  # no temporary file left beside it
+
+
+def test_a_file_that_cannot_be_written_is_one_line_and_nothing_changes(tmp_path, capsys):
+    root = make_checkout(tmp_path, "core_v0.18")
+    path = os.path.join(root, "pretrain_gpt.py")
+    original = script(root)
+    if subprocess.run(["chattr", "+i", path], capture_output=True).returncode != 0:
+        os.chmod(root, 0o555)  # no chattr here: a read-only folder (refuses a non-root writer)
+        if os.access(root, os.W_OK):
+            os.chmod(root, 0o755)
+            pytest.skip("neither chattr +i nor a read-only folder stops this user from writing")
+    try:
+        assert mp.main(["apply", str(root)]) == mp.EXIT_REFUSED
+    finally:
+        subprocess.run(["chattr", "-i", path], capture_output=True)
+        os.chmod(root, 0o755)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("mechmon-patch: refused: pretrain_gpt.py: cannot write ") and "nothing was changed" in err
+    assert script(root) == original

@@ -40,7 +40,7 @@ def test_unmodified_script_runs_with_the_hooks_and_the_flags(tmp_path, release):
     checkout = make_checkout(tmp_path, release, runnable=True)
     original = open(os.path.join(checkout, "pretrain_gpt.py"), "rb").read()
     proc = launch(RUN, checkout, "--train-iters", "3", "--mechmon", "--mechmon-interval", "7",
-                  "--mechmon-action", "checkpoint-and-abort")
+                  "--mechmon-action", "checkpoint-and-abort", "--save", str(tmp_path / "ckpt"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "HOOKED True" in out

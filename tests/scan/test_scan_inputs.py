@@ -52,7 +52,8 @@ def test_cli_entry_points_scan_a_real_folder(small, tmp_path):
     assert "no anomaly (3 pairs" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert {"first_anomaly", "pairs"} <= set(summary) and summary["pairs"] == 3 and summary["layers"] == [2]
-    assert sorted(p.name for p in out.iterdir()) == ["cache", "img", "mechmon_scalars.jsonl", "report.html",
+    assert sorted(p.name for p in out.iterdir()) == [".mechmon-scan.json", "cache", "img", "mechmon_scalars.jsonl",
+                                                     "report.html",
                                                      "summary.json", "tensorboard"]
     proc = cli("tools/mechmon_scan.py", "--help", module="")  # the checkout wrapper reaches the same parser
     assert proc.returncode == 0 and "RUN_DIR_OR_CHECKPOINTS" in proc.stdout and "--window" in proc.stdout

@@ -26,6 +26,7 @@ import re
 from typing import Any, Mapping, Optional, Union
 
 from mechmon_megatron.session.config import MechmonConfig
+from mechmon_megatron.session.startup import RunFacts, validate_startup
 
 SECTION = "mechmon"
 PREFIX = f"ds_config.{SECTION}"
@@ -79,6 +80,11 @@ def parse_section(section: Mapping[str, Any]) -> MechmonConfig:
         config = MechmonConfig(**kwargs, extra=extra)
     except ValueError as exc:  # MechmonConfig names the flag; name the JSON key instead
         raise ValueError(_as_key_message(str(exc))) from None
+    try:  # the start-up check every host runs (session/startup.py), in this config's key names
+        validate_startup(config, RunFacts(save_dir=extra.get("checkpoint_dir") or config.log_dir,
+                                          save_flag=f"{PREFIX}.checkpoint_dir (or {PREFIX}.log_dir)"))
+    except ValueError as exc:
+        raise ValueError(_as_key_message(str(exc))) from None
     if config.weights != "main":
         raise ValueError(f"{PREFIX}.weights: the DeepSpeed adapter reads the FP32 master weights the optimizer "
                          f"updates (safe_get_full_fp32_param); \"model\" is not supported, got {config.weights!r}")
@@ -122,10 +128,8 @@ def _typed(key: str, value: Any) -> Any:
 
 def _as_key_message(message: str) -> str:
     """``--mechmon-exit-code must ...`` -> ``ds_config.mechmon.exit_code must ...``."""
-    match = re.match(r"--mechmon-([a-z0-9-]+)\s(.*)", message, re.S)
-    if not match:
-        return f"{PREFIX}: {message}"
-    return f"{PREFIX}.{match.group(1).replace('-', '_')} {match.group(2)}"
+    message = re.sub(r"--mechmon-([a-z0-9-]+)", lambda m: f"{PREFIX}.{m.group(1).replace('-', '_')}", message)
+    return message if message.startswith(PREFIX) else f"{PREFIX}: {message}"
 
 
 def checkpoint_dir_of(config: MechmonConfig) -> Optional[str]:

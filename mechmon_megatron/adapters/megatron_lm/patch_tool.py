@@ -19,7 +19,9 @@ Pure Python (no ``patch`` or ``git`` binary). Safety, in both ways:
 * a file already carrying the edit is left alone (``apply`` twice = no change);
 * a file matching neither side (edited by hand, partially patched, another structure) is
   ``modified``: refused, with the reason (the file and what was expected);
-* files are written atomically (temporary file + ``os.replace``), keeping their mode.
+* files are written atomically (temporary file + ``os.replace``), keeping their mode; a symlink
+  is followed (the file it points to is edited and reverted, the link stays a link), and a file
+  that cannot be written is refused in one line before any file is written.
 """
 
 from __future__ import annotations
@@ -322,11 +324,35 @@ def _transform(root: str, release: Optional[str], patches_dir: Optional[str], re
             hunks = patch.reversed().hunks if reverse else patch.hunks
             pending.append((os.path.join(root, patch.path), _apply_hunks(lines, hunks, patch.path), newline,
                             patch.path))
+    # A symlinked file (a checkout that links pretrain_gpt.py from elsewhere) is edited where it
+    # lives: the link stays a link, and revert restores the file it points to.
+    pending = [(os.path.realpath(path), lines, newline, name) for path, lines, newline, name in pending]
+    for path, _, _, name in pending:  # every file writable before the first is written
+        problem = _write_problem(path)
+        if problem:
+            raise PatchError(f"{name}: cannot write {path} ({problem}); nothing was changed")
     for path, lines, newline, name in pending:
-        _write_atomic(path, lines, newline)
+        try:
+            _write_atomic(path, lines, newline)
+        except OSError as exc:
+            raise PatchError(f"{name}: cannot write {path} ({exc.strerror or exc})") from None
         report.changed.append(name)
         report.status[name] = target
     return report
+
+
+def _write_problem(path: str) -> Optional[str]:
+    """Why ``path`` cannot be replaced by its edited copy (read-only, immutable, a read-only
+    folder), or None. Opening for append changes nothing; the probe file is removed at once."""
+    try:
+        with open(path, "ab"):
+            pass
+        fd, probe = tempfile.mkstemp(prefix=".mechmon-", dir=os.path.dirname(path))
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
 
 
 def apply(root: str, release: Optional[str] = None, patches_dir: Optional[str] = None) -> Report:

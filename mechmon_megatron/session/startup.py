@@ -1,0 +1,208 @@
+"""One start-up validation of the whole configuration, shared by every host.
+
+Every host (the example trainer, ``mechmon-run`` and the patched Megatron-LM script, the
+DeepSpeed ``attach``, ``mechmon-scan``) calls :func:`validate_startup` once, when its arguments
+are parsed and before any process group or model exists. Every value that a check uses later is
+checked here, so that no check can fail at every step with a cause the user could have been told
+about at once (the monitors would then be off while the job looks watched):
+
+* the flags themselves (``MechmonConfig.__post_init__``: types, ranges, finite numbers);
+* the calibration file (``--mechmon-detector-calibration``: JSON, schema, finite positive
+  ``theta``, known overlaps, families and levels; a tail for every family at this overlap);
+* derived quantities: the per-test false-alarm probability ``R / (N C)`` of the job's tests must
+  lie in (0, 1), and the thresholds must follow from it;
+* combinations: ``checkpoint-and-abort`` needs a save folder the host will write;
+  ``--mechmon-log-dir`` must be (or become) a writable folder;
+* the schedule against the run: a check interval, window or drill step that never happens
+  within ``--train-iters`` is a warning saying nothing will be checked; more than
+  :data:`QUIET_SNAPSHOT_SETS` snapshot sets held at once is a warning with their memory.
+
+Errors are ``ValueError`` with one line naming the flag (or the file); the host turns them into
+exit status 2 without a traceback. Warnings are returned as lines for the host to log once.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Optional
+
+from mechmon_megatron.detect.null_model import TAIL_LEVELS, JobShape, per_test_probability, thresholds_for_job
+from mechmon_megatron.detect.pooled_cusum import FAMILY_DIRECTIONS
+from mechmon_megatron.session.config import MechmonConfig
+from mechmon_megatron.session.detector_setup import load_detector_design
+
+__all__ = [
+    "QUIET_SNAPSHOT_SETS",
+    "RunFacts",
+    "StartupReport",
+    "check_detector",
+    "directory_problem",
+    "job_layers",
+    "validate_startup",
+]
+
+QUIET_SNAPSHOT_SETS = 4
+"""Snapshot sets (``ceil(delta / interval)``) held at once without a start-up warning."""
+
+MIB = 1024 * 1024
+
+
+@dataclass(kw_only=True, frozen=True)
+class RunFacts:
+    """What the host knows of the run before it builds anything (None: not known)."""
+
+    train_iters: Optional[int] = None
+    """Training steps of the run (``--train-iters``)."""
+
+    num_layers: Optional[int] = None
+    """Transformer layers with self-attention, whole model (``--num-layers``); counts the tests."""
+
+    snapshot_set_bytes: Optional[int] = None
+    """Bytes of one snapshot set of the Q/K weights on one rank (an estimate from the model shape)."""
+
+    save_dir: Optional[str] = None
+    """The folder the host writes the checkpoint of a checkpoint-and-abort to."""
+
+    save_flag: Optional[str] = None
+    """The host's flag (or config key) that sets ``save_dir``; None: the host needs no folder."""
+
+
+@dataclass
+class StartupReport:
+    """What :func:`validate_startup` found: the warnings to log once (nothing wrong otherwise)."""
+
+    warnings: list[str] = field(default_factory=list)
+
+
+def directory_problem(path: str) -> Optional[str]:
+    """Why ``path`` cannot be (or become) a folder this process writes in; None when it can.
+
+    Probes with a temporary folder in ``path`` or its nearest existing parent, removed at once:
+    nothing is left behind, also when the answer is no.
+    """
+    path = os.path.abspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        return "exists and is not a directory"
+    probe = path
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        return f"cannot be created: {probe} is not a directory"
+    try:
+        made = tempfile.mkdtemp(dir=probe, prefix=".mechmon-probe-")
+    except OSError as exc:
+        return f"cannot be written: {exc.strerror or exc} in {probe}"
+    os.rmdir(made)
+    return None
+
+
+def validate_startup(config: MechmonConfig, facts: RunFacts = RunFacts()) -> StartupReport:
+    """Check everything the session will use later; ``ValueError`` (one line, naming the flag).
+
+    A disabled config is not checked further: it builds nothing.
+    """
+    report = StartupReport()
+    if not config.enabled:
+        return report
+    check_detector(config, job_layers(config, facts.num_layers))
+    if config.log_dir is not None:
+        problem = directory_problem(config.log_dir)
+        if problem:
+            raise ValueError(f"--mechmon-log-dir {config.log_dir!r} {problem}")
+    if config.action == "checkpoint-and-abort" and facts.save_flag is not None:
+        _check_save_dir(config, facts)
+    report.warnings += _schedule_warnings(config, facts)
+    return report
+
+
+def job_layers(config: MechmonConfig, num_layers: Optional[int]) -> dict[str, int]:
+    """The job's tests counted from below (the per-test probability ``R / (N C)`` is largest for
+    the fewest): both attention families over ``num_layers`` when known, else one test."""
+    if "attn" in config.monitors and num_layers:
+        layers = {"attn_delta2": num_layers}
+        if config.full_matrix_dw:
+            layers["attn_dw"] = num_layers
+        return layers
+    return {"attn_delta2": 1}
+
+
+def check_detector(config: MechmonConfig, layers: Mapping[str, int]) -> None:
+    """The calibration file, then the thresholds of a job of ``layers`` (family -> layers).
+
+    ``ValueError`` naming the flag when the file is no table, when the per-test probability is
+    not in (0, 1), or when it lies beyond the measured tail of some family (above its
+    ``P0(S > u0)``: the threshold would fall to the bottom of the fit, alarming on nearly every
+    check, and the false-alarm rate would no longer be what was asked for).
+    """
+    _, table = load_detector_design(config)  # names the flag and the file
+    shape = JobShape(layers=dict(layers), interval=config.interval, overlap=config.overlap)
+    rate = config.false_alarm_rate
+    try:
+        per_test = per_test_probability(shape, rate)
+        thresholds_for_job(shape, rate, table)
+    except (ValueError, ArithmeticError) as exc:
+        message = str(exc)
+        if not message.startswith("--mechmon-"):
+            message = f"--mechmon-false-alarm-rate {rate:g}: no detector thresholds follow ({exc})"
+        raise ValueError(message) from None
+    floors = {(family, level): table.tail(config.overlap, family, level)[0].log_p_u0
+              for family in FAMILY_DIRECTIONS for level in TAIL_LEVELS}
+    (family, level), lowest = min(floors.items(), key=lambda item: item[1])
+    if math.log(per_test) >= lowest:
+        most = math.exp(lowest) * max(1, shape.num_tests()) * shape.checks_per_million()
+        source = config.detector_calibration or "shipped"
+        raise ValueError(
+            f"--mechmon-false-alarm-rate {rate:g} is beyond the measured null tails: each test would alarm "
+            f"falsely with probability {per_test:.3g} per check, more than P0(S > u0) = {math.exp(lowest):.3g} "
+            f"of {family} ({level} test, --mechmon-detector-calibration {source}); use a rate below "
+            f"{most:.3g} per 10^6 steps for a check every {config.interval} steps"
+        )
+
+
+def _check_save_dir(config: MechmonConfig, facts: RunFacts) -> None:
+    flag = facts.save_flag
+    if not facts.save_dir:
+        raise ValueError(
+            f"--mechmon-action checkpoint-and-abort saves a checkpoint at the alarm, but {flag} is not set: the "
+            f"progress since the last save would be lost; set {flag} DIR, or choose --mechmon-action warn"
+        )
+    problem = directory_problem(facts.save_dir)
+    if problem:
+        raise ValueError(
+            f"--mechmon-action checkpoint-and-abort needs a checkpoint folder it can write, but {flag} "
+            f"{facts.save_dir!r} {problem}"
+        )
+
+
+def _schedule_warnings(config: MechmonConfig, facts: RunFacts) -> list[str]:
+    out: list[str] = []
+    iters = facts.train_iters
+    attn = "attn" in config.monitors
+    if iters is not None and iters >= 1:
+        if config.interval > iters:
+            out.append(f"--mechmon-interval {config.interval} > --train-iters {iters}: no check runs in this job, "
+                       "nothing will be checked")
+        elif attn:
+            first = config.interval * math.ceil(config.delta / config.interval)  # first check with a snapshot
+            if first > iters:
+                out.append(
+                    f"--mechmon-delta {config.delta}: the first attention check (iteration {first}, once a "
+                    f"snapshot {config.delta} steps old exists) comes after --train-iters {iters}: the attention "
+                    "monitors will check nothing in this job"
+                )
+        if config.drill_at is not None and config.drill_at > iters:
+            out.append(f"--mechmon-drill-at {config.drill_at} > --train-iters {iters}: the drill will never run")
+    if attn and config.overlap > QUIET_SNAPSHOT_SETS:
+        memory = ""
+        if facts.snapshot_set_bytes:
+            total = facts.snapshot_set_bytes * config.overlap
+            memory = f", about {total / MIB:.0f} MiB per rank ({facts.snapshot_set_bytes / MIB:.1f} MiB each)"
+        out.append(
+            f"--mechmon-delta {config.delta} / --mechmon-interval {config.interval}: {config.overlap} snapshot sets "
+            f"of the Q/K weights are held at once{memory}; a delta of a few intervals holds fewer"
+        )
+    return out
