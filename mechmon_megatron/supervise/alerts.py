@@ -2,7 +2,7 @@
 
 The session writes the alert into the abort checkpoint's folder (``iter_0000012/`` for the
 megatron hosts, the DeepSpeed tag folder), or into ``--save`` itself when it had no checkpoint
-folder. An alert is this run's when it was written after the launch, its ``checkpoint_dir`` is
+folder. An alert is this run's when this launch wrote it (new or rewritten since the launch began), its ``checkpoint_dir`` is
 the folder it lies in, and that folder's iteration is the alert's.
 """
 
@@ -15,10 +15,6 @@ from typing import Optional
 
 from mechmon_megatron.session.alert import ALERT_FILENAME
 from mechmon_megatron.supervise.checkpoints import list_checkpoints
-
-CLOCK_SLACK_S = 2.0
-"""File times on a shared file system may lag our clock by this much (seconds)."""
-
 
 class AlertError(ValueError):
     """No usable alert for this run (missing, corrupt, or another run's)."""
@@ -51,21 +47,28 @@ def _candidates(save: str) -> list[str]:
     return [p for p in paths if os.path.isfile(p)]
 
 
-def newest_alert_path(save: str, since: Optional[float] = None) -> Optional[str]:
-    """The most recently written alert under ``save`` (written after ``since``, a time.time())."""
-    paths = _candidates(save)
-    if since is not None:
-        paths = [p for p in paths if os.path.getmtime(p) >= since - CLOCK_SLACK_S]
-    return max(paths, key=os.path.getmtime) if paths else None
+def alert_files(save: str) -> dict[str, int]:
+    """Every alert under ``save`` -> its modification time (ns): taken before each launch, so
+    that only an alert this launch wrote (new or rewritten) counts as its own."""
+    return {p: os.stat(p).st_mtime_ns for p in _candidates(save)}
 
 
-def read_alert(save: str, started_at: float) -> AlertInfo:
-    """This run's alert, or ``AlertError`` with one sentence naming the file."""
-    path = newest_alert_path(save)
+def new_alert_path(save: str, before: dict[str, int]) -> Optional[str]:
+    """The newest alert written since ``before`` (``alert_files`` at the launch), or None."""
+    now = alert_files(save)
+    fresh = [p for p, mtime in now.items() if before.get(p) != mtime]
+    return max(fresh, key=lambda p: now[p]) if fresh else None
+
+
+def read_alert(save: str, before: dict[str, int]) -> AlertInfo:
+    """This launch's alert, or ``AlertError`` with one sentence naming the file."""
+    path = new_alert_path(save, before)
     if path is None:
+        old = [p for p in alert_files(save)]
+        if old:
+            raise AlertError(f"{max(old, key=os.path.getmtime)} is from another run: it was written before this launch, "
+                             "and this launch wrote no alert")
         raise AlertError(f"no {ALERT_FILENAME} under {save} (the command exited with the abort code but wrote no alert)")
-    if os.path.getmtime(path) < started_at - CLOCK_SLACK_S:
-        raise AlertError(f"{path} is from another run: it was written before this launch")
     try:
         with open(path, encoding="utf-8") as f:
             body = json.load(f)

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from mechmon_megatron.supervise.alerts import AlertError, AlertInfo, newest_alert_path, read_alert
+from mechmon_megatron.supervise.alerts import AlertError, AlertInfo, alert_files, new_alert_path, read_alert
 from mechmon_megatron.supervise.checkpoints import latest_checkpoint, list_checkpoints, select_rollback
 from mechmon_megatron.supervise.command import LaunchCommand
 from mechmon_megatron.supervise.host import HostFlags
@@ -68,10 +68,10 @@ class Supervisor:
             except ProcessLookupError:
                 pass
 
-    def _launch(self) -> tuple[int, float]:
-        """Run the command to its end; (exit code, launch time)."""
+    def _launch(self) -> tuple[int, dict[str, int]]:
+        """Run the command to its end; (exit code, the alert files there were before it)."""
         self.launches += 1
-        started = time.time()
+        started = alert_files(self.config.save)
         # Own process group: a signal reaches every process the launcher started, and the
         # terminal's Ctrl-C reaches the supervisor, which passes it on once.
         self._child = subprocess.Popen(list(self.command.argv), start_new_session=True)
@@ -88,6 +88,8 @@ class Supervisor:
     def _stop(self, reason: str, code: Optional[int], **extra) -> int:
         self._record(RecoveryRecord(action="stop", reason=reason, launch=self.launches, exit_code=code,
                                     restarts=self.restarts, command=list(self.command.argv), **extra))
+        if code is not None and code < 0:  # killed by a signal: the shell's convention
+            return 128 - code
         return code if code else 2
 
     def run(self) -> int:
@@ -112,7 +114,7 @@ class Supervisor:
                 return 0
             # torchrun exits 1 when a worker fails, whatever the worker's code: a fresh alert then
             # tells a mechmon abort from a crash.
-            fresh = newest_alert_path(self.config.save, since=started)
+            fresh = new_alert_path(self.config.save, started)
             if code != self.config.abort_code and fresh is None:
                 return self._stop(f"the command failed with exit code {code}, not a mechmon abort "
                                   f"(code {self.config.abort_code}, or a fresh alert under a launcher): not relaunched", code)
