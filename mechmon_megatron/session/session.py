@@ -28,7 +28,6 @@ import torch
 from mechmon_megatron.detect.pooled_cusum import PooledCusumDetector
 from mechmon_megatron.session import names
 from mechmon_megatron.session.alert import Alert, AlertReport
-from mechmon_megatron.session.webhook import WebhookPoster
 from mechmon_megatron.session.attention_check import check_full, check_heads
 from mechmon_megatron.session.config import MechmonConfig
 from mechmon_megatron.session.detector_inputs import observation
@@ -50,6 +49,7 @@ from mechmon_megatron.session.snapshots import (
     snapshot_bytes,
     weights_device,
 )
+from mechmon_megatron.session.webhook import WebhookPoster
 from mechmon_megatron.session.writers import ScalarWriter, WriterGroup
 
 logger = logging.getLogger(__name__)

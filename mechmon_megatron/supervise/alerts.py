@@ -2,8 +2,8 @@
 
 The session writes the alert into the abort checkpoint's folder (``iter_0000012/`` for the
 megatron hosts, the DeepSpeed tag folder), or into ``--save`` itself when it had no checkpoint
-folder. An alert is this run's when this launch wrote it (new or rewritten since the launch began), its ``checkpoint_dir`` is
-the folder it lies in, and that folder's iteration is the alert's.
+folder. An alert is this run's when this launch wrote it (new or rewritten since the launch
+began), its ``checkpoint_dir`` is the folder it lies in, and that folder's iteration is the alert's.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Optional
 
 from mechmon_megatron.session.alert import ALERT_FILENAME
 from mechmon_megatron.supervise.checkpoints import list_checkpoints
+
 
 class AlertError(ValueError):
     """No usable alert for this run (missing, corrupt, or another run's)."""
@@ -64,11 +65,12 @@ def read_alert(save: str, before: dict[str, int]) -> AlertInfo:
     """This launch's alert, or ``AlertError`` with one sentence naming the file."""
     path = new_alert_path(save, before)
     if path is None:
-        old = [p for p in alert_files(save)]
+        old = list(alert_files(save))
         if old:
-            raise AlertError(f"{max(old, key=os.path.getmtime)} is from another run: it was written before this launch, "
-                             "and this launch wrote no alert")
-        raise AlertError(f"no {ALERT_FILENAME} under {save} (the command exited with the abort code but wrote no alert)")
+            raise AlertError(f"{max(old, key=os.path.getmtime)} is from another run: it was written before this "
+                             "launch, and this launch wrote no alert")
+        raise AlertError(f"no {ALERT_FILENAME} under {save} (the command exited with the abort code but wrote "
+                         "no alert)")
     try:
         with open(path, encoding="utf-8") as f:
             body = json.load(f)
@@ -86,7 +88,8 @@ def read_alert(save: str, before: dict[str, int]) -> AlertInfo:
         raise AlertError(f"{path} is from another run: its checkpoint_dir {recorded} is not {folder}")
     folder_iteration = _folder_iteration(save, folder)
     if folder_iteration is not None and folder_iteration != iteration:
-        raise AlertError(f"{path} is from another run: iteration {iteration} in a folder of iteration {folder_iteration}")
+        raise AlertError(f"{path} is from another run: iteration {iteration} in a folder of iteration "
+                         f"{folder_iteration}")
     return AlertInfo(iteration=iteration, family=family, first_warning_step=first,
                      layers=[int(x) for x in body.get("layers") or []], heads=[int(x) for x in body.get("heads") or []],
                      action=str(body.get("action", "")), exit_code=body.get("exit_code"), path=path)

@@ -107,7 +107,8 @@ def latest_checkpoint(save: str) -> Optional[Checkpoint]:
     tracker = read_tracker(save)
     tag = read_deepspeed_latest(save)
     for ckpt in list_checkpoints(save):
-        if (ckpt.layout == "megatron" and ckpt.iteration == tracker) or (ckpt.layout == "deepspeed" and ckpt.name == tag):
+        megatron = ckpt.layout == "megatron" and ckpt.iteration == tracker
+        if megatron or (ckpt.layout == "deepspeed" and ckpt.name == tag):
             return ckpt
     return None
 

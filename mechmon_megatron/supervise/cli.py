@@ -63,10 +63,10 @@ def _split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 def _command_settings(command: LaunchCommand) -> tuple[Optional[str], int, Optional[str]]:
     """(--save, --mechmon-exit-code, --tensorboard-dir) from the host's own flags."""
     host = command.host_args
-    save = (flag_values(host, "--save") or [None])[0]
-    code = (flag_values(host, "--mechmon-exit-code") or ["42"])[0]
-    tensorboard = (flag_values(host, "--tensorboard-dir") or [None])[0]
-    return save, int(code), tensorboard
+    save = flag_values(host, "--save") or []
+    code = flag_values(host, "--mechmon-exit-code") or ["42"]
+    tensorboard = flag_values(host, "--tensorboard-dir") or []
+    return (save[0] if save else None), int(code[0]), (tensorboard[0] if tensorboard else None)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -109,15 +109,16 @@ class Supervisor:
                                   code if code else 128 + self._signal)
             if code == 0:
                 if self.restarts:
-                    self._record(RecoveryRecord(action="stop", reason="the command finished (exit 0)", launch=self.launches,
-                                                exit_code=0, restarts=self.restarts, command=list(self.command.argv)))
+                    self._record(RecoveryRecord(action="stop", reason="the command finished (exit 0)",
+                                                launch=self.launches, exit_code=0, restarts=self.restarts,
+                                                command=list(self.command.argv)))
                 return 0
             # torchrun exits 1 when a worker fails, whatever the worker's code: a fresh alert then
             # tells a mechmon abort from a crash.
             fresh = new_alert_path(self.config.save, started)
             if code != self.config.abort_code and fresh is None:
-                return self._stop(f"the command failed with exit code {code}, not a mechmon abort "
-                                  f"(code {self.config.abort_code}, or a fresh alert under a launcher): not relaunched", code)
+                return self._stop(f"the command failed with exit code {code}, not a mechmon abort (code "
+                                  f"{self.config.abort_code}, or a fresh alert under a launcher): not relaunched", code)
             try:
                 alert = read_alert(self.config.save, started)
             except AlertError as exc:
@@ -128,34 +129,35 @@ class Supervisor:
 
     def _relaunch(self, alert: AlertInfo, code: int) -> Optional[int]:
         """Prepare the next launch (and record it), or stop: returns the exit code then."""
-        info = {"alert": alert.to_json()}
+        info = alert.to_json()
         if self.restarts >= self.config.max_restarts:
-            return self._stop(f"{self.restarts} restarts done, the most --max-restarts allows", code, **info)
+            return self._stop(f"{self.restarts} restarts done, the most --max-restarts allows", code, alert=info)
         list_name, remedies = self.policy.remedy_list(alert.family)
         if list_name is None:
             known = alert.family in self.policy.policy.families
             why = "stops on it" if known else "has no remedy for it"
-            return self._stop(f"{alert.family} alarm: the policy ({self.policy.policy.source}) {why}", code, **info)
+            return self._stop(f"{alert.family} alarm: the policy ({self.policy.policy.source}) {why}", code, alert=info)
         episode = self._episode
         again = (episode.list_name == list_name and episode.point is not None
                  and alert.iteration - episode.point <= self.config.window)
         index = episode.index + 1 if again else 0
         if index >= len(remedies):
             tried = ", ".join(r.remedy.name for r in remedies) or "none usable on this host"
-            return self._stop(f"{alert.family} alarmed again at iteration {alert.iteration}, within {self.config.window} "
-                              f"steps of the relaunch from {episode.point}: every {list_name} remedy tried ({tried})",
-                              code, **info)
+            return self._stop(f"{alert.family} alarmed again at iteration {alert.iteration}, within "
+                              f"{self.config.window} steps of the relaunch from {episode.point}: every {list_name} "
+                              f"remedy tried ({tried})", code, alert=info)
         chosen = remedies[index]
         selection = select_rollback(list_checkpoints(self.config.save), alert.change_point, alert.iteration)
         if selection.checkpoint is None:
-            return self._stop(selection.why, code, **info, why=selection.why)
+            return self._stop(selection.why, code, alert=info, why=selection.why)
         ckpt = selection.checkpoint
-        select_flag = self.config.select_flag if (self.config.select_flag and self.host.has(self.config.select_flag)) else None
+        wanted = self.config.select_flag
+        select_flag = wanted if (wanted and self.host.has(wanted)) else None
         latest = latest_checkpoint(self.config.save)
         if select_flag is None and (latest is None or latest.path != ckpt.path):
-            return self._stop(f"the host has no {self.config.select_flag} to load {ckpt.name}, and the supervisor never "
-                              f"rewrites the tracker file (latest is {latest.name if latest else 'none'})", code,
-                              **info, why=selection.why)
+            return self._stop(f"the host has no {wanted} to load {ckpt.name}, and the supervisor never rewrites "
+                              f"the tracker file (latest is {latest.name if latest else 'none'})", code,
+                              alert=info, why=selection.why)
         before = self.command.host_args
         skip = range(ckpt.iteration + 1, alert.iteration + 1)
         applied = apply_edit(before, chosen.edit, skip_window=list(skip))
@@ -166,7 +168,7 @@ class Supervisor:
         self._episode = _Episode(list_name=list_name, index=index, point=ckpt.iteration)
         removed, added = diff_flags(before, args)
         self._record(RecoveryRecord(
-            action="relaunch", launch=self.launches, exit_code=code, restarts=self.restarts, **info,
+            action="relaunch", launch=self.launches, exit_code=code, restarts=self.restarts, alert=info,
             reason=(f"{alert.family} alarm at iteration {alert.iteration} (change point {alert.change_point}); "
                     f"remedy {index + 1}/{len(remedies)} of {list_name}"),
             checkpoint={"name": ckpt.name, "iteration": ckpt.iteration, "path": ckpt.path, "layout": ckpt.layout},

@@ -54,8 +54,8 @@ def test_same_family_again_escalates_then_stops_when_the_list_is_exhausted(tmp_p
 def test_max_restarts_bounds_the_loop(tmp_path: Path):
     save = tmp_path / "ck"
     # --window 0: every alarm is a new episode (first remedy again); only M stops the loop
-    out = supervise(["--max-restarts", "2", "--window", "0"], _host(save, "--plan", "alarm", "--family", "router_entropy",
-                                                                     "--lr", "0.01"))
+    host = _host(save, "--plan", "alarm", "--family", "router_entropy", "--lr", "0.01")
+    out = supervise(["--max-restarts", "2", "--window", "0"], host)
     assert out.returncode == 42, out.output
     recs = records(save)
     assert [r["action"] for r in recs] == ["relaunch", "relaunch", "stop"]

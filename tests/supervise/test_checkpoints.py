@@ -43,7 +43,8 @@ def test_deepspeed_layout(tmp_path: Path):
 
 
 def _ckpts(*iterations):
-    return [Checkpoint(iteration=i, path=f"/s/iter_{i:07d}", name=f"iter_{i:07d}", layout="megatron") for i in iterations]
+    return [Checkpoint(iteration=i, path=f"/s/iter_{i:07d}", name=f"iter_{i:07d}", layout="megatron")
+            for i in iterations]
 
 
 def test_select_newest_at_or_before_the_change_point():

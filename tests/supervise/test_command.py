@@ -78,5 +78,15 @@ def test_skip_window_and_checkpoint_flags():
     assert flag_values(out.args, "--iterations-to-skip") == ["11", "12"]
     args = select_checkpoint_flags(["--load", "/other", "--save", "s"], "/abs/s", "--ckpt-step", "10")
     assert flag_values(args, "--load") == ["/abs/s"] and flag_values(args, "--ckpt-step") == ["10"]
-    removed, added = diff_flags(["--load", "/other", "--lr", "1"], ["--lr", "1", "--load", "/abs/s", "--ckpt-step", "10"])
+    removed, added = diff_flags(["--load", "/other", "--lr", "1"],
+                                ["--lr", "1", "--load", "/abs/s", "--ckpt-step", "10"])
     assert removed == ["--load /other"] and added == ["--load /abs/s", "--ckpt-step 10"]
+
+
+def test_the_supervisor_loads_no_torch():
+    import subprocess
+
+    code = ("import sys, mechmon_megatron.supervise.cli, mechmon_megatron.supervise.loop; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron', 'deepspeed')]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
