@@ -197,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load", default=None, help="Resume from this checkpoint directory (latest tag).")
     p.add_argument("--ckpt-tag", default=None,
                    help="With --load: resume from this tag (e.g. global_step20) instead of the 'latest' file's "
-                        "(mechmon-supervise --select-flag --ckpt-tag).")
+                        "(mechmon-supervise --select-flag=--ckpt-tag).")
     p.add_argument(
         "--monitor-dir", default=None, help="Override csv_monitor.output_path (and tensorboard's, if enabled)."
     )

@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--webhook", default=None, help="http(s) URL: each action is posted as Slack-compatible JSON.")
     parser.add_argument("--select-flag", default="--ckpt-step",
                         help="The host's flag that loads one checkpoint from --load: the iteration (Megatron "
-                             "layout) or the tag (DeepSpeed) (default --ckpt-step).")
+                             "layout) or the tag (DeepSpeed), e.g. --select-flag=--ckpt-tag or --select-flag "
+                             "ckpt-tag (default --ckpt-step).")
     return parser
 
 
@@ -99,6 +100,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         resolved = resolve_policy(policy, host)
     except (PolicyError, HostError) as exc:
         return _fail(str(exc), save, rest)
+    if args.select_flag and not args.select_flag.startswith("--"):
+        args.select_flag = "--" + args.select_flag
     for notice in resolved.notices:
         print(f"[{PROG}] {notice}", flush=True)
     if args.select_flag and not host.has(args.select_flag):

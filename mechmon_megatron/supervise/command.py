@@ -21,6 +21,9 @@ DEEPSPEED_BOOLEAN = {"--no_python", "--no-python", "--module", "-m", "--no_local
                      "--elastic_training", "--bind_cores_to_rank", "--save_pid", "--no_ssh_check", "--no_ssh"}
 SRUN_SHORT_WITH_VALUE = {"-N", "-n", "-c", "-p", "-t", "-J", "-A", "-q", "-w", "-o", "-e", "-G"}
 TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
+SCRIPT_WRAPPERS = ("mechmon_megatron.adapters.megatron_lm.run", "mechmon-run")
+"""Programs whose first argument is the training script (``mechmon-run pretrain_gpt.py ...``):
+the host's flags start after that script, and ``--help`` goes to it."""
 
 
 class CommandError(ValueError):
@@ -89,7 +92,18 @@ def _python_program(argv: Sequence[str], i: int) -> tuple[int, list[str]]:
 
 def parse_command(argv: Sequence[str]) -> LaunchCommand:
     """Find the training program in ``argv`` and how to ask it for ``--help``."""
-    argv = list(argv)
+    command = _parse_command(list(argv))
+    program = os.path.basename(command.argv[command.host_start - 1])
+    if program in SCRIPT_WRAPPERS:
+        if command.host_start >= len(command.argv):
+            raise CommandError(f"{program} is followed by no training script")
+        script = command.argv[command.host_start]
+        return LaunchCommand(argv=command.argv, host_start=command.host_start + 1,
+                             help_argv=(*command.help_argv[:-1], script, "--help"), launcher=command.launcher)
+    return command
+
+
+def _parse_command(argv: list[str]) -> LaunchCommand:
     if not argv:
         raise CommandError("no command after --")
     i = 0

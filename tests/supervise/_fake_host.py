@@ -6,7 +6,8 @@ on demand: a corrupt alert, another run's alert, an abort without an alert).
 ``ok`` exit 0; ``alarm`` checkpoints at 5 and 10, abort checkpoint at 12 with this run's alert
 (family ``--family``, first warning ``--first-warning``), exit ``--mechmon-exit-code``;
 ``corrupt`` / ``other`` / ``noalert`` the same abort with a garbled alert, another run's alert,
-no alert; ``crash`` exit 3; ``sleep`` 60 s (for signals). Every launch appends its argv to ``<save>/launches.jsonl``.
+no alert; ``crash`` exit 3; ``sleep`` 60 s (for signals). ``--layout deepspeed``: DeepSpeed tag
+folders and ``latest``. Every launch appends its argv to ``<save>/launches.jsonl``.
 """
 
 from __future__ import annotations
@@ -28,11 +29,23 @@ def _checkpoint(save: str, iteration: int) -> str:
     return path
 
 
+def _tag(save: str, step: int) -> str:
+    path = os.path.join(save, f"global_step{step}")
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "mp_rank_00_model_states.pt"), "wb") as f:
+        f.write(b"x")
+    with open(os.path.join(save, "latest"), "w") as f:
+        f.write(f"global_step{step}")
+    return path
+
+
 def main() -> int:
     p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--save", required=True)
     p.add_argument("--load")
     p.add_argument("--ckpt-step", type=int)
+    p.add_argument("--ckpt-tag")
+    p.add_argument("--layout", default="megatron", choices=["megatron", "deepspeed"])
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--min-lr", type=float, default=0.0)
     p.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
@@ -41,6 +54,7 @@ def main() -> int:
     p.add_argument("--attention-backend", default="local", choices=["local", "torch", "emulated-lowp-fa"])
     p.add_argument("--mechmon-drill-at", type=int)
     p.add_argument("--mechmon-exit-code", type=int, default=42)
+    p.add_argument("--tensorboard-dir")
     p.add_argument("--plan", default="ok")
     p.add_argument("--family", default="attn_delta2")
     p.add_argument("--first-warning", type=int, default=9)
@@ -59,10 +73,11 @@ def main() -> int:
     if outcome == "sleep":
         time.sleep(60)
         return 0
+    save_at = _checkpoint if args.layout == "megatron" else _tag
     if args.load is None:
-        _checkpoint(args.save, 5)
-        _checkpoint(args.save, 10)
-    abort = _checkpoint(args.save, 12)
+        save_at(args.save, 5)
+        save_at(args.save, 10)
+    abort = save_at(args.save, 12)
     alert = {"iteration": 12, "family": args.family, "first_warning_step": args.first_warning, "layers": [1],
              "heads": [0], "checkpoint_dir": abort, "action": "checkpoint-and-abort",
              "exit_code": args.mechmon_exit_code}

@@ -39,6 +39,24 @@ def test_alarm_then_success_relaunches_once_from_the_change_point(tmp_path: Path
     assert "[mechmon-supervise] RELAUNCH after launch 1 (exit 42)" in out.output
 
 
+def test_deepspeed_tags_are_selected_with_the_scripts_tag_flag(tmp_path: Path):
+    save = tmp_path / "ck"
+    out = supervise(["--select-flag=--ckpt-tag"], _host(save, "--plan", "alarm,ok", "--layout", "deepspeed"))
+    assert out.returncode == 0, out.output
+    relaunch = records(save)[0]
+    assert relaunch["checkpoint"]["name"] == "global_step10" and relaunch["checkpoint"]["layout"] == "deepspeed"
+    assert relaunch["flags_added"][-1] == "--ckpt-tag global_step10"
+    assert (save / "latest").read_text() == "global_step12"  # read, never rewritten
+
+
+def test_records_also_go_to_tensorboard_as_text(tmp_path: Path):
+    save, tb = tmp_path / "ck", tmp_path / "tb"
+    out = supervise([], _host(save, "--plan", "alarm,ok", "--tensorboard-dir", str(tb)))
+    assert out.returncode == 0, out.output
+    events = list(tb.glob("events.out.tfevents.*mechmon_recovery"))
+    assert events and all(b"mechmon/recovery" in e.read_bytes() for e in events)
+
+
 def test_same_family_again_escalates_then_stops_when_the_list_is_exhausted(tmp_path: Path):
     save = tmp_path / "ck"
     out = supervise(["--max-restarts", "5"], _host(save, "--plan", "alarm"))

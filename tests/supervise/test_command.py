@@ -31,9 +31,17 @@ def test_torchrun_options_are_not_host_flags():
     cmd = parse_command(argv)
     assert cmd.launcher == "torchrun" and cmd.host_args == ["--max-restarts", "7", "--save", "ck"]
     assert cmd.help_argv == (sys.executable, "pretrain_gpt.py", "--help")
-    cmd = parse_command(["torchrun", "--nnodes", "1", "-m", "mechmon_megatron.adapters.megatron_lm.run", "--save", "s"])
-    assert cmd.help_argv[1:] == ("-m", "mechmon_megatron.adapters.megatron_lm.run", "--help")
-    assert cmd.host_args == ["--save", "s"]
+    cmd = parse_command(["torchrun", "--nnodes", "1", "-m", "gpt_trainer", "--save", "s"])
+    assert cmd.help_argv[1:] == ("-m", "gpt_trainer", "--help") and cmd.host_args == ["--save", "s"]
+
+
+def test_mechmon_run_wrapper_passes_help_to_the_script():
+    cmd = parse_command(["torchrun", "--nproc-per-node", "8", "-m", "mechmon_megatron.adapters.megatron_lm.run",
+                         "pretrain_gpt.py", "--save", "s", "--mechmon"])
+    assert cmd.help_argv[1:] == ("-m", "mechmon_megatron.adapters.megatron_lm.run", "pretrain_gpt.py", "--help")
+    assert cmd.host_args == ["--save", "s", "--mechmon"]
+    cmd = parse_command(["/venv/bin/mechmon-run", "pretrain_gpt.py", "--save", "s"])
+    assert cmd.help_argv == ("/venv/bin/mechmon-run", "pretrain_gpt.py", "--help") and cmd.host_args == ["--save", "s"]
 
 
 def test_srun_deepspeed_and_direct():
