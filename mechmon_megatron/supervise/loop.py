@@ -103,6 +103,9 @@ class Supervisor:
 
     def _loop(self) -> int:
         while True:
+            if self._signal is not None:  # arrived between two launches: do not start another
+                return self._stop(f"stopped by signal {signal.Signals(self._signal).name} before a relaunch",
+                                  128 + self._signal)
             code, started = self._launch()
             if self._signal is not None:
                 return self._stop(f"stopped by signal {signal.Signals(self._signal).name} (passed to the command)",
@@ -117,7 +120,8 @@ class Supervisor:
             # tells a mechmon abort from a crash.
             fresh = new_alert_path(self.config.save, started)
             if code != self.config.abort_code and fresh is None:
-                return self._stop(f"the command failed with exit code {code}, not a mechmon abort (code "
+                which = "the relaunch" if self.restarts else "the command"
+                return self._stop(f"{which} failed with exit code {code}, not a mechmon abort (code "
                                   f"{self.config.abort_code}, or a fresh alert under a launcher): not relaunched", code)
             try:
                 alert = read_alert(self.config.save, started)
