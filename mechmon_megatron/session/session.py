@@ -439,10 +439,14 @@ class MonitoringSession:
 
     def _notify(self, alert: Alert) -> None:
         """Queue the alarm for the webhook (returns at once; the daemon thread sends it)."""
-        if self._webhook is not None:
-            fields = {k: v for k, v in asdict(alert).items() if not (isinstance(v, float) and not math.isfinite(v))}
-            self._webhook.post({"text": alert.describe(), "mechmon": {"event": "alarm",
-                                                                      "action": self.config.action, **fields}})
+        if self._webhook is None:
+            return
+        fields = {k: v for k, v in asdict(alert).items() if not (isinstance(v, float) and not math.isfinite(v))}
+        try:
+            self._webhook.post({"text": alert.describe(), "mechmon": {"event": "alarm", "action": self.config.action,
+                                                                      **fields}})
+        except Exception as exc:  # noqa: BLE001 -- telling people is a side effect: it never changes a decision
+            logger.warning("[mechmon] webhook post failed: %s", exc)
 
     def _write(self, scalars: dict, iteration: int) -> None:
         self.writer.write_scalars(scalars, iteration)

@@ -65,3 +65,21 @@ def test_supervisor_goes_on_when_the_webhook_is_down(tmp_path: Path):
     out = supervise(["--webhook", closed_port_url()], command)
     assert out.returncode == 0 and [r["action"] for r in records(save)] == ["relaunch", "stop"], out.output
     assert out.seconds < 30, out.seconds
+
+
+@pytest.mark.parametrize("server", ["up", "down"])
+def test_the_session_posts_its_alarm_and_never_waits_long(tmp_path: Path, server: str):
+    from tests.session.test_session import ToyAttention, make_session, run
+
+    layers = [ToyAttention(1, 0)]
+    with Hook() as hook:
+        url = hook.url if server == "up" else closed_port_url()
+        session = make_session(tmp_path, layers, drill_at=7, action="checkpoint-and-abort", alert_webhook=url)
+        start = time.monotonic()
+        decisions = run(session, layers, 7)
+        session.close()  # bounded wait for the queue (2 s)
+        assert decisions[-1].abort and time.monotonic() - start < 15
+    if server == "up":
+        (body,) = hook.bodies
+        assert body["text"].startswith("[mechmon] ALARM at iteration 7") and body["mechmon"]["family"] == "drill"
+        assert body["mechmon"]["event"] == "alarm" and body["mechmon"]["action"] == "checkpoint-and-abort"
