@@ -70,6 +70,21 @@ def _command_settings(command: LaunchCommand) -> tuple[Optional[str], int, Optio
     return (save[0] if save else None), int(code[0]), (tensorboard[0] if tensorboard else None)
 
 
+def reachability_notices(host_args: Sequence[str]) -> list[str]:
+    """Lines that say, before the first launch, when a rollback cannot work as intended."""
+    notices = []
+    action = flag_values(host_args, "--mechmon-action") or []
+    if flag_values(host_args, "--mechmon") is None or action != ["checkpoint-and-abort"]:
+        notices.append("the command does not set --mechmon --mechmon-action checkpoint-and-abort: an alarm will not "
+                       "stop it, so there is nothing to recover (the supervisor only passes its exit through)")
+    interval = flag_values(host_args, "--save-interval") or []
+    if not interval or interval[0] in ("0", "None"):
+        notices.append("the command has no --save-interval: the abort's checkpoint will be the only one, which is "
+                       "after the change point; set --save-interval so that a save lands before the detector's "
+                       "change point (at most --save-interval steps before it)")
+    return notices
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     own, rest = _split(sys.argv[1:] if argv is None else argv)
@@ -102,7 +117,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _fail(str(exc), save, rest)
     if args.select_flag and not args.select_flag.startswith("--"):
         args.select_flag = "--" + args.select_flag
-    for notice in resolved.notices:
+    for notice in [*reachability_notices(command.host_args), *resolved.notices]:
         print(f"[{PROG}] {notice}", flush=True)
     if args.select_flag and not host.has(args.select_flag):
         print(f"[{PROG}] the host has no {args.select_flag}: a rollback can only resume its latest checkpoint",

@@ -37,6 +37,7 @@ def test_alarm_then_success_relaunches_once_from_the_change_point(tmp_path: Path
     second = _launches(save)[1]
     assert second[-5:] == ["--fa-fp32-o", "--load", str(save), "--ckpt-step", "10"]
     assert "[mechmon-supervise] RELAUNCH after launch 1 (exit 42)" in out.output
+    assert "no --save-interval" in out.output and "does not set --mechmon" in out.output  # start-up notices
 
 
 def test_deepspeed_tags_are_selected_with_the_scripts_tag_flag(tmp_path: Path):

@@ -51,6 +51,7 @@ def test_drill_is_recovered_from_the_change_point(tmp_path: Path):
     assert relaunch["flags_added"] == [f"--load {save}", "--ckpt-step 10"]
     assert done["action"] == "stop" and done["exit_code"] == 0
     assert f"loaded checkpoint from {save} at iteration 10" in out.output
+    assert "no --save-interval" not in out.output and "does not set --mechmon" not in out.output
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "16"
     for name in ("iter_0000005", "iter_0000010", "iter_0000012"):  # nothing deleted
         assert (save / name / "metadata.json").is_file(), name
