@@ -66,12 +66,14 @@ setup(
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
     data_files=_patch_files(),
-    package_data={"mechmon_megatron.detect": ["null_tails.json"]},
+    package_data={"mechmon_megatron.detect": ["null_tails.json"],
+                  "mechmon_megatron.supervise": ["default_policy.json"]},
     entry_points={"console_scripts": [
         "mechmon-patch=mechmon_megatron.adapters.megatron_lm.patch_tool:main",
         "mechmon-run=mechmon_megatron.adapters.megatron_lm.run:main",
         "mechmon-plan=mechmon_megatron.plan.cli:main",
         "mechmon-scan=mechmon_megatron.scan.cli:main",
+        "mechmon-supervise=mechmon_megatron.supervise.cli:main",
     ]},
     license="Apache-2.0",
 )

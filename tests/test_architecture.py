@@ -16,6 +16,9 @@ Every ``import`` statement counts, including those inside functions (lazy import
   no checkpoint library; only its format readers (``scan/readers``) may import a host framework or
   ``safetensors``, each only its own (the DeepSpeed reader never imports megatron, no reader
   imports an adapter, ``cli`` or another reader's library).
+* ``supervise`` (mechmon-supervise): the standard library, itself and two standard-library-only
+  session modules (``session.alert``, ``session.webhook``); torch only as the optional
+  ``torch.utils.tensorboard``; never torch.distributed, a host framework, ``research`` or ``testing``.
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ PRODUCT = [f for f in _files() if not _under(_module_name(f), _own("research"), 
 
 def test_the_tree_has_the_layers_this_test_knows():
     for sub in ("monitors", "detect", "session", "cli", "plan", "research", "testing", "scan", "scan/readers",
+                "supervise",
                 *(f"adapters/{a}" for a in ADAPTERS)):
         assert (PACKAGE / sub / "__init__.py").is_file(), sub
     assert {p.name for p in (PACKAGE / "adapters").iterdir() if p.is_dir() and p.name != "__pycache__"} == set(ADAPTERS)
@@ -148,6 +152,26 @@ def test_plan_imports_core_session_torch_and_stdlib_only():
         return top != "torch" and top not in sys.stdlib_module_names
 
     bad = _violations(_files("plan"), forbidden)
+    assert not bad, bad
+
+
+SUPERVISE_SESSION_MODULES = (_own("session.alert"), _own("session.webhook"))
+"""The session modules the supervisor may import: both import the standard library only."""
+
+
+def _stdlib_or_own(name: str, own: tuple[str, ...]) -> bool:
+    if _under(name, PKG):
+        return _under(name, *own) or name in (PKG, _own("session"))
+    return name.split(".")[0] in sys.stdlib_module_names
+
+
+def test_supervise_imports_stdlib_and_two_session_modules_only():
+    own = (_own("supervise"), *SUPERVISE_SESSION_MODULES)
+    bad = _violations(_files("supervise"),
+                      lambda f, n: not (_stdlib_or_own(n, own) or _under(n, "torch.utils.tensorboard")))
+    assert not bad, bad
+    session_modules = [PACKAGE / "session" / "alert.py", PACKAGE / "session" / "webhook.py"]
+    bad = _violations(session_modules, lambda f, n: not _stdlib_or_own(n, SUPERVISE_SESSION_MODULES))
     assert not bad, bad
 
 

@@ -195,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save", default=None, help="Checkpoint directory (engine.save_checkpoint).")
     p.add_argument("--save-interval", type=int, default=0)
     p.add_argument("--load", default=None, help="Resume from this checkpoint directory (latest tag).")
+    p.add_argument("--ckpt-tag", default=None,
+                   help="With --load: resume from this tag (e.g. global_step20) instead of the 'latest' file's "
+                        "(mechmon-supervise --select-flag=--ckpt-tag).")
     p.add_argument(
         "--monitor-dir", default=None, help="Override csv_monitor.output_path (and tensorboard's, if enabled)."
     )
@@ -286,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     mechmon = mechmon_ds.attach(engine)  # reads ds_config["mechmon"]
 
     if args.load:
-        load_path, _ = engine.load_checkpoint(args.load)  # restores the mechmon detector state too
+        load_path, _ = engine.load_checkpoint(args.load, tag=args.ckpt_tag)  # restores the mechmon detector state too
         if rank == 0:
             print(f"resumed from {load_path} at step {engine.global_steps}", flush=True)
 

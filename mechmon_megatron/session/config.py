@@ -118,6 +118,10 @@ class MechmonConfig:
     """A null-tail table of your own healthy runs (``tools/calibrate_detector.py``); default: the
     table shipped with the package (``mechmon_megatron/detect/null_tails.json``)."""
 
+    alert_webhook: Optional[str] = None
+    """http(s) URL that receives each alarm as Slack-compatible JSON from the writer rank (a daemon
+    thread with a timeout and bounded retries: it never blocks or fails training)."""
+
     extra: dict = field(default_factory=dict)
     """Host-specific extras (ignored by the session)."""
 
@@ -178,6 +182,13 @@ class MechmonConfig:
                 os.path.isfile(self.detector_calibration),
                 "detector-calibration",
                 f"must be a null-tail JSON file (tools/calibrate_detector.py), got {self.detector_calibration!r}",
+            )
+
+        if self.alert_webhook is not None:
+            _require(
+                self.alert_webhook.startswith(("http://", "https://")),
+                "alert-webhook",
+                f"must be an http:// or https:// URL, got {self.alert_webhook!r}",
             )
 
     @property

@@ -17,9 +17,10 @@ decision reaches every rank in one broadcast.
 from __future__ import annotations
 
 import logging
+import math
 import pickle
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -56,6 +57,7 @@ from mechmon_megatron.session.snapshots import (
     weights_device,
 )
 from mechmon_megatron.session.startup import QUIET_SNAPSHOT_SETS
+from mechmon_megatron.session.webhook import WebhookPoster
 from mechmon_megatron.session.writers import ScalarWriter, WriterGroup
 
 logger = logging.getLogger(__name__)
@@ -129,6 +131,10 @@ class MonitoringSession:
         self._overhead_s = 0.0
         self._step_start = time.perf_counter()
         self._pending_abort: Optional[Decision] = None
+        # Only the writer rank decides, so only it tells people (--mechmon-alert-webhook).
+        self._webhook: Optional[WebhookPoster] = None
+        if config.enabled and config.alert_webhook and self.comm.is_writer:
+            self._webhook = WebhookPoster(config.alert_webhook)
 
     @property
     def errors(self) -> int:
@@ -245,6 +251,8 @@ class MonitoringSession:
     def close(self) -> None:
         if self.enabled:
             self.writer.close()
+            if self._webhook is not None:
+                self._webhook.close(wait_s=2.0)  # bounded: an abort still exits within seconds
 
     # ------------------------------------------------------------------ internals
     def _timed(self, fn, *args):
@@ -445,9 +453,21 @@ class MonitoringSession:
         for alert in alerts:
             if self.config.action != "log":
                 logger.warning(alert.describe())
+            self._notify(alert)
         # Written after the decision: a failing writer is counted and never changes an alarm.
         self.failures.run("write", None, iteration, self._write, scalars, iteration)
         return alerts
+
+    def _notify(self, alert: Alert) -> None:
+        """Queue the alarm for the webhook (returns at once; the daemon thread sends it)."""
+        if self._webhook is None:
+            return
+        fields = {k: v for k, v in asdict(alert).items() if not (isinstance(v, float) and not math.isfinite(v))}
+        try:
+            self._webhook.post({"text": alert.describe(), "mechmon": {"event": "alarm", "action": self.config.action,
+                                                                      **fields}})
+        except Exception as exc:  # noqa: BLE001 -- telling people is a side effect: it never changes a decision
+            logger.warning("[mechmon] webhook post failed: %s", exc)
 
     def _write(self, scalars: dict, iteration: int) -> None:
         self.writer.write_scalars(scalars, iteration)
@@ -467,6 +487,7 @@ class MonitoringSession:
         if self.comm.is_writer:
             logger.warning(alert.describe())
             self.alerts.append(alert)
+            self._notify(alert)
             self.failures.run("write", None, iteration, self._write, {names.ALARM: 1.0}, iteration)
         return Decision(iteration, alarm=True, alerts=[alert])
 

@@ -121,6 +121,9 @@ def _io_args(parser: argparse.ArgumentParser) -> None:
                    help="Cap of the default stdlib corpus in bytes.")
     g.add_argument("--save", default=None, help="Checkpoint directory.")
     g.add_argument("--load", default=None, help="Resume from this checkpoint directory.")
+    g.add_argument("--ckpt-step", type=int, default=None,
+                   help="With --load: resume from iter_<N> instead of the one named by "
+                        "latest_checkpointed_iteration.txt (as Megatron-LM's --ckpt-step).")
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--save-at-iters", type=_int_list, default=(),
                    help="Comma-separated extra iterations to save at (e.g. fork points of a study).")

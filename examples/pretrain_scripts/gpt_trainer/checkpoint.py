@@ -109,12 +109,16 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
     return path
 
 
-def load_checkpoint(root: str, model_chunks, optimizer, scheduler) -> tuple[int, dict[str, Any]]:
-    """Load the latest checkpoint under ``root``; returns (iteration, extra state dict)."""
-    iteration = read_tracker(root)
+def load_checkpoint(root: str, model_chunks, optimizer, scheduler,
+                    step: Optional[int] = None) -> tuple[int, dict[str, Any]]:
+    """Load the checkpoint of iteration ``step`` (default: the tracker's, the latest) under
+    ``root``; returns (iteration, extra state dict). The tracker file is only read."""
+    iteration = read_tracker(root) if step is None else step
     if iteration is None:
         raise ValueError(f"--load {root!r}: no {TRACKER} found (nothing saved there yet?).")
     path = iteration_dir(root, iteration)
+    if step is not None and not os.path.isdir(path):
+        raise ValueError(f"--ckpt-step {step}: no {os.path.basename(path)} under --load {root!r}.")
     state = dist_checkpointing.load(_sharded_state_dict(model_chunks, optimizer, True), path)
     for i, chunk in enumerate(model_chunks):
         chunk.module.load_state_dict(state["model" if i == 0 else f"model{i}"])

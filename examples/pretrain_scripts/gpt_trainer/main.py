@@ -83,7 +83,8 @@ def main(argv: Optional[Sequence[str]] = None,
     callbacks = CallbackList([AttentionStepCallback(args)] + (callbacks_factory(args) if callbacks_factory else []))
     iteration = 0
     if args.load:
-        iteration, extra = load_checkpoint(args.load, model_chunks, optimizer, scheduler)
+        iteration, extra = load_checkpoint(args.load, model_chunks, optimizer, scheduler,
+                                           step=args.ckpt_step)
         callbacks.load_state_dict(extra.get("callbacks", {}))
         if rank == 0:
             print(f"loaded checkpoint from {args.load} at iteration {iteration}", flush=True)

@@ -1,0 +1,181 @@
+"""The supervisor loop: launch, wait, read the alert, roll back, remedy, relaunch, or stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from mechmon_megatron.supervise.alerts import AlertError, AlertInfo, alert_files, new_alert_path, read_alert
+from mechmon_megatron.supervise.checkpoints import latest_checkpoint, list_checkpoints, select_rollback
+from mechmon_megatron.supervise.command import LaunchCommand
+from mechmon_megatron.supervise.host import HostFlags
+from mechmon_megatron.supervise.notify import Notifier
+from mechmon_megatron.supervise.policy import ResolvedPolicy
+from mechmon_megatron.supervise.records import RecoveryLog, RecoveryRecord
+from mechmon_megatron.supervise.remedy import apply_edit, diff_flags, select_checkpoint_flags
+
+
+@dataclass(frozen=True, kw_only=True)
+class SupervisorConfig:
+    save: str
+    """The command's ``--save`` folder (checkpoints, the alert, mechmon_recovery.jsonl)."""
+    abort_code: int = 42
+    """The command's ``--mechmon-exit-code``."""
+    max_restarts: int = 3
+    """Relaunches at most, over the whole run."""
+    window: int = 1000
+    """Steps: an alarm of the same remedy list within this many steps of the last relaunch
+    point escalates to the list's next remedy (later: the list starts over)."""
+    select_flag: Optional[str] = "--ckpt-step"
+    """The host's flag that loads a given checkpoint from ``--load`` (None: the host has none)."""
+
+
+@dataclass
+class _Episode:
+    """The last relaunch: its remedy list, remedy index and rollback iteration."""
+
+    list_name: Optional[str] = None
+    index: int = -1
+    point: Optional[int] = None
+
+
+@dataclass
+class Supervisor:
+    command: LaunchCommand
+    config: SupervisorConfig
+    policy: ResolvedPolicy
+    host: HostFlags
+    log: RecoveryLog
+    notifier: Notifier
+    launches: int = 0
+    restarts: int = 0
+    started: float = field(default_factory=time.time)
+    _child: Optional[subprocess.Popen] = None
+    _signal: Optional[int] = None
+    _episode: _Episode = field(default_factory=_Episode)
+
+    # ------------------------------------------------------------------ process
+    def _forward(self, signum: int, _frame) -> None:
+        """SIGTERM/SIGINT: pass to the child's process group (the launcher and its ranks)."""
+        self._signal = signum
+        if self._child is not None and self._child.poll() is None:
+            try:
+                os.killpg(self._child.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def _launch(self) -> tuple[int, dict[str, int]]:
+        """Run the command to its end; (exit code, the alert files there were before it)."""
+        self.launches += 1
+        started = alert_files(self.config.save)
+        # Own process group: a signal reaches every process the launcher started, and the
+        # terminal's Ctrl-C reaches the supervisor, which passes it on once.
+        self._child = subprocess.Popen(list(self.command.argv), start_new_session=True)
+        code = self._child.wait()  # signals arrive in _forward; wait() resumes after them (PEP 475)
+        self._child = None
+        return code, started
+
+    # ------------------------------------------------------------------ decisions
+    def _record(self, record: RecoveryRecord) -> None:
+        record.elapsed_s = round(time.time() - self.started, 3)
+        self.log.append(record)
+        self.notifier.record(record)
+
+    def _stop(self, reason: str, code: Optional[int], **extra) -> int:
+        self._record(RecoveryRecord(action="stop", reason=reason, launch=self.launches, exit_code=code,
+                                    restarts=self.restarts, command=list(self.command.argv), **extra))
+        if code is not None and code < 0:  # killed by a signal: the shell's convention
+            return 128 - code
+        return code if code else 2
+
+    def run(self) -> int:
+        previous = {s: signal.signal(s, self._forward) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            return self._loop()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            self.notifier.close()
+
+    def _loop(self) -> int:
+        while True:
+            if self._signal is not None:  # arrived between two launches: do not start another
+                return self._stop(f"stopped by signal {signal.Signals(self._signal).name} before a relaunch",
+                                  128 + self._signal)
+            code, started = self._launch()
+            if self._signal is not None:
+                return self._stop(f"stopped by signal {signal.Signals(self._signal).name} (passed to the command)",
+                                  code if code else 128 + self._signal)
+            if code == 0:
+                if self.restarts:
+                    self._record(RecoveryRecord(action="stop", reason="the command finished (exit 0)",
+                                                launch=self.launches, exit_code=0, restarts=self.restarts,
+                                                command=list(self.command.argv)))
+                return 0
+            # torchrun exits 1 when a worker fails, whatever the worker's code: a fresh alert then
+            # tells a mechmon abort from a crash.
+            fresh = new_alert_path(self.config.save, started)
+            if code != self.config.abort_code and fresh is None:
+                which = "the relaunch" if self.restarts else "the command"
+                return self._stop(f"{which} failed with exit code {code}, not a mechmon abort (code "
+                                  f"{self.config.abort_code}, or a fresh alert under a launcher): not relaunched", code)
+            try:
+                alert = read_alert(self.config.save, started)
+            except AlertError as exc:
+                return self._stop(str(exc), code)
+            outcome = self._relaunch(alert, code)
+            if outcome is not None:
+                return outcome
+
+    def _relaunch(self, alert: AlertInfo, code: int) -> Optional[int]:
+        """Prepare the next launch (and record it), or stop: returns the exit code then."""
+        info = alert.to_json()
+        if self.restarts >= self.config.max_restarts:
+            return self._stop(f"{self.restarts} restarts done, the most --max-restarts allows", code, alert=info)
+        list_name, remedies = self.policy.remedy_list(alert.family)
+        if list_name is None:
+            known = alert.family in self.policy.policy.families
+            why = "stops on it" if known else "has no remedy for it"
+            return self._stop(f"{alert.family} alarm: the policy ({self.policy.policy.source}) {why}", code, alert=info)
+        episode = self._episode
+        again = (episode.list_name == list_name and episode.point is not None
+                 and alert.iteration - episode.point <= self.config.window)
+        index = episode.index + 1 if again else 0
+        if index >= len(remedies):
+            tried = ", ".join(r.remedy.name for r in remedies) or "none usable on this host"
+            return self._stop(f"{alert.family} alarmed again at iteration {alert.iteration}, within "
+                              f"{self.config.window} steps of the relaunch from {episode.point}: every {list_name} "
+                              f"remedy tried ({tried})", code, alert=info)
+        chosen = remedies[index]
+        selection = select_rollback(list_checkpoints(self.config.save), alert.change_point, alert.iteration)
+        if selection.checkpoint is None:
+            return self._stop(selection.why, code, alert=info, why=selection.why)
+        ckpt = selection.checkpoint
+        wanted = self.config.select_flag
+        select_flag = wanted if (wanted and self.host.has(wanted)) else None
+        latest = latest_checkpoint(self.config.save)
+        if select_flag is None and (latest is None or latest.path != ckpt.path):
+            return self._stop(f"the host has no {wanted} to load {ckpt.name}, and the supervisor never rewrites "
+                              f"the tracker file (latest is {latest.name if latest else 'none'})", code,
+                              alert=info, why=selection.why)
+        before = self.command.host_args
+        skip = range(ckpt.iteration + 1, alert.iteration + 1)
+        applied = apply_edit(before, chosen.edit, skip_window=list(skip))
+        value = str(ckpt.iteration) if ckpt.layout == "megatron" else ckpt.name
+        args = select_checkpoint_flags(applied.args, self.config.save, select_flag, value)
+        self.command = self.command.with_host_args(args)
+        self.restarts += 1
+        self._episode = _Episode(list_name=list_name, index=index, point=ckpt.iteration)
+        removed, added = diff_flags(before, args)
+        self._record(RecoveryRecord(
+            action="relaunch", launch=self.launches, exit_code=code, restarts=self.restarts, alert=info,
+            reason=(f"{alert.family} alarm at iteration {alert.iteration} (change point {alert.change_point}); "
+                    f"remedy {index + 1}/{len(remedies)} of {list_name}"),
+            checkpoint={"name": ckpt.name, "iteration": ckpt.iteration, "path": ckpt.path, "layout": ckpt.layout},
+            after_change_point=selection.after_change_point, why=selection.why, remedy=chosen.remedy.name,
+            flags_removed=removed, flags_added=added, notes=applied.notes, command=list(self.command.argv)))
+        return None

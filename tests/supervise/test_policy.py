@@ -1,0 +1,74 @@
+"""Policy files: the shipped default, validation against a host's --help, user-policy errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mechmon_megatron.supervise.host import parse_help
+from mechmon_megatron.supervise.policy import PolicyError, load_policy, resolve_policy
+
+TRAINER_HELP = """usage: x
+  --lr LR  --min-lr MIN_LR  --moe-aux-loss-coeff C  --attention-backend {local,torch,emulated-lowp-fa}
+  --fa-fp32-o  --fa-tie-shift-beta B  --mechmon-drill-at N  --save SAVE  --load LOAD  --ckpt-step N
+"""
+MEGATRON_HELP = """  --lr LR --min-lr L --attention-backend {flash,fused,unfused,local,auto}
+  --fp8-dot-product-attention --moe-router-dtype {fp32,fp64} --moe-z-loss-coeff C --moe-aux-loss-coeff C
+  --iterations-to-skip ITERATIONS_TO_SKIP [ITERATIONS_TO_SKIP ...] --ckpt-step N --mechmon-drill-at N
+"""
+
+
+def test_parse_help_flags_and_choices():
+    host = parse_help(TRAINER_HELP)
+    assert host.has("--fa-fp32-o") and not host.has("--qk-clip")
+    assert host.choices["--attention-backend"] == ("local", "torch", "emulated-lowp-fa")
+    assert not host.accepts("--attention-backend", "unfused") and host.accepts("--lr", "1")
+
+
+def test_default_policy_picks_each_hosts_alternative():
+    policy = load_policy("default")
+    trainer = resolve_policy(policy, parse_help(TRAINER_HELP))
+    name, remedies = trainer.remedy_list("attn_delta2")
+    assert name == "attention_precision"
+    assert [r.remedy.name for r in remedies] == ["fp32-attention-output", "tie-shift-or-local-attention"]
+    assert remedies[0].edit.set == {"--fa-fp32-o": ()}  # not Megatron's "unfused": the trainer lacks it
+    assert any("qk-clip" in n for n in trainer.notices)  # skipped with a notice, not an error
+    assert [r.remedy.name for r in trainer.remedy_list("router_entropy")[1]] == ["lower-lr", "stronger-balancing"]
+    megatron = resolve_policy(policy, parse_help(MEGATRON_HELP))
+    first = megatron.remedy_list("attn_dw")[1][0].edit
+    assert first.set == {"--attention-backend": ("unfused",)} and first.remove == ("--fp8-dot-product-attention",)
+    assert [r.remedy.name for r in megatron.remedy_list("router_weights")[1]] == [
+        "lower-lr", "fp32-router", "stronger-balancing"]
+    assert megatron.remedy_list("nonfinite") == (None, ())  # the default stops on non-finite weights
+    assert megatron.remedy_list("drill")[1][0].edit.remove == ("--mechmon-drill-at",)
+
+
+def test_user_policy_naming_a_missing_flag_is_an_error(tmp_path: Path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"version": 1, "families": {"attn_delta2": "a"},
+                                "remedies": {"a": [{"name": "clip", "alternatives": [{"set": {"--qk-clip": True}}]}]}}))
+    with pytest.raises(PolicyError, match=r"p\.json: remedy a/clip names --qk-clip"):
+        resolve_policy(load_policy(str(path)), parse_help(TRAINER_HELP))
+
+
+@pytest.mark.parametrize("body, match", [
+    ({"families": {}, "remedies": {}}, "version"),
+    ({"version": 1, "families": {"attn_dw": "nope"}, "remedies": {}}, "not in remedies"),
+    ({"version": 1, "families": {}, "remedies": {"a": [{"name": "x", "alternatives": [{"set": {"lr": 1}}]}]}},
+     "not a --flag"),
+    ({"version": 1, "families": {}, "remedies": {"a": [{"name": "x", "alternatives": [{"sett": {}}]}]}},
+     "unknown keys"),
+])
+def test_malformed_policies(tmp_path: Path, body, match):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(body))
+    with pytest.raises(PolicyError, match=match):
+        load_policy(str(path))
+
+
+def test_unreadable_policy(tmp_path: Path):
+    (tmp_path / "broken.json").write_text("{not json")
+    with pytest.raises(PolicyError, match="broken.json: cannot read"):
+        load_policy(str(tmp_path / "broken.json"))

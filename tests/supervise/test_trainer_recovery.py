@@ -1,0 +1,106 @@
+"""The loop around the real example trainer: a drill aborts it (checkpoint-and-abort, exit 42),
+the supervisor rolls back to the newest checkpoint at or before the change point, applies the
+policy's remedy and relaunches with --load/--ckpt-step; the relaunch finishes (exit 0).
+
+The drill fires at its iteration on every launch that reaches it, so a policy that keeps
+``--mechmon-drill-at`` makes the same family alarm again: that drives the escalation, the end
+of the list and --max-restarts on the real host (slow tests, MECHMON_SLOW=1).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.megatron_core._torchrun import free_port
+from tests.supervise._helpers import Hook, records, supervise
+
+pytest.importorskip("megatron.core")
+
+TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
+        "--ffn-hidden-size", "64", "--micro-batch-size", "2", "--corpus-max-bytes", "200000", "--seed", "3"]
+MECHMON = ["--mechmon", "--mechmon-interval", "5", "--mechmon-delta", "5", "--mechmon-action", "checkpoint-and-abort",
+           "--mechmon-drill-at", "12"]
+TRAINER = [sys.executable, "-m", "gpt_trainer"]
+
+
+def _trainer(save: Path, *extra: str) -> list[str]:
+    return [*TRAINER, *TINY, *MECHMON, "--train-iters", "16", "--save", str(save), "--save-interval", "5", *extra]
+
+
+def _policy(tmp_path: Path, remedies: list[dict]) -> Path:
+    path = tmp_path / "policy.json"
+    path.write_text(json.dumps({"version": 1, "families": {"drill": "drill"}, "remedies": {"drill": remedies}}))
+    return path
+
+
+def test_drill_is_recovered_from_the_change_point(tmp_path: Path):
+    save = tmp_path / "ck"
+    with Hook() as hook:
+        out = supervise(["--webhook", hook.url], _trainer(save, "--mechmon-alert-webhook", hook.url), timeout_s=400)
+    assert out.returncode == 0, out.output[-4000:]
+    relaunch, done = records(save)
+    assert relaunch["action"] == "relaunch" and relaunch["exit_code"] == 42
+    assert relaunch["alert"]["family"] == "drill" and relaunch["alert"]["first_warning_step"] == 12
+    # 12 is the abort checkpoint (the alarmed state): the rollback is the newest before it
+    assert relaunch["checkpoint"]["name"] == "iter_0000010" and not relaunch["after_change_point"]
+    assert relaunch["remedy"] == "resume-without-drill" and relaunch["flags_removed"] == ["--mechmon-drill-at 12"]
+    assert relaunch["flags_added"] == [f"--load {save}", "--ckpt-step 10"]
+    assert done["action"] == "stop" and done["exit_code"] == 0
+    assert f"loaded checkpoint from {save} at iteration 10" in out.output
+    assert "no --save-interval" not in out.output and "does not set --mechmon" not in out.output
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "16"
+    for name in ("iter_0000005", "iter_0000010", "iter_0000012"):  # nothing deleted
+        assert (save / name / "metadata.json").is_file(), name
+    assert (save / "iter_0000012" / "mechmon_alert.json").is_file()
+    events = [(b["mechmon"]["event"], b["mechmon"].get("family") or b["mechmon"].get("action")) for b in hook.bodies]
+    assert events == [("alarm", "drill"), ("recovery", "relaunch"), ("recovery", "stop")], events
+
+
+@pytest.mark.slow
+def test_same_family_again_escalates_then_stops_on_the_real_trainer(tmp_path: Path):
+    remedies = [{"name": "fp32-o", "alternatives": [{"set": {"--fa-fp32-o": True}}]},
+                {"name": "tie-shift", "alternatives": [{"set": {"--fa-tie-shift-beta": 4}}]}]
+    save = tmp_path / "ck"
+    out = supervise(["--policy", _policy(tmp_path, remedies), "--max-restarts", "5"], _trainer(save), timeout_s=600)
+    assert out.returncode == 42, out.output[-4000:]
+    recs = records(save)
+    assert [r["action"] for r in recs] == ["relaunch", "relaunch", "stop"]
+    assert [r["remedy"] for r in recs[:2]] == ["fp32-o", "tie-shift"]
+    assert "every drill remedy tried" in recs[-1]["reason"]
+    assert recs[1]["flags_added"] == ["--fa-tie-shift-beta 4"]  # the first remedy stays; --load/--ckpt-step unchanged
+    save = tmp_path / "m1"
+    out = supervise(["--policy", _policy(tmp_path, remedies), "--max-restarts", "1"], _trainer(save), timeout_s=600)
+    assert out.returncode == 42 and [r["action"] for r in records(save)] == ["relaunch", "stop"], out.output[-3000:]
+    assert "1 restarts done" in records(save)[-1]["reason"]
+
+
+@pytest.mark.slow
+def test_a_remedy_the_trainer_refuses_at_start_up_stops(tmp_path: Path):
+    save = tmp_path / "ck"
+    policy = _policy(tmp_path, [{"name": "bad", "alternatives": [{"set": {"--lr": "abc"}}]}])
+    out = supervise(["--policy", policy], _trainer(save), timeout_s=600)
+    assert out.returncode == 2, out.output[-3000:]
+    assert [r["action"] for r in records(save)] == ["relaunch", "stop"] and "invalid float value" in out.output
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_ranks_tp2_under_torchrun_are_recovered(tmp_path: Path):
+    save = tmp_path / "ck"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                "--master-port", str(free_port()), "-m", "gpt_trainer"]
+    command = [*launcher, *TINY, *MECHMON, "--tensor-model-parallel-size", "2", "--train-iters", "16",
+               "--save", str(save), "--save-interval", "5"]
+    out = supervise([], command, timeout_s=600)
+    assert out.returncode == 0, out.output[-4000:]
+    relaunch, done = records(save)
+    # torchrun exits 1 for the failed workers; the fresh alert tells the abort from a crash
+    assert relaunch["exit_code"] == 1 and relaunch["checkpoint"]["name"] == "iter_0000010"
+    assert relaunch["command"][:len(launcher)] == launcher  # torchrun's own options untouched
+    assert sorted(p.name for p in (save / "iter_0000016" / "mechmon_extra").iterdir()) == ["rank_00000.pt",
+                                                                                          "rank_00001.pt"]
+    assert done["exit_code"] == 0
