@@ -84,11 +84,15 @@ class PinCheck:
 
 def check_pin(python: str = sys.executable) -> PinCheck:
     """Start one process under the pin and read which kernels it gets."""
-    capability = effective_capability(python)
     reasons = []
+    try:
+        capability = effective_capability(python)
+    except (OSError, subprocess.SubprocessError) as exc:
+        capability = "unknown"
+        reasons.append(f"could not start {python} to read its CPU kernels ({exc})")
     machine = platform.machine().lower()
     if machine not in ("x86_64", "amd64"):
         reasons.append(f"this CPU is {machine}, not x86-64: the pinned kernels do not exist here")
-    elif capability.upper() != "AVX2":
+    elif capability != "unknown" and capability.upper() != "AVX2":
         reasons.append(f"torch runs CPU kernels {capability} here (ATEN_CPU_CAPABILITY=avx2 needs a CPU with AVX2)")
     return PinCheck(capability=capability, reasons=tuple(reasons))

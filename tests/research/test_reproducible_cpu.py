@@ -60,3 +60,26 @@ def test_a_fault_run_is_bit_identical_under_two_forced_kernel_choices(tmp_path, 
     assert any(key.startswith("mechmon/attn/") for key in scalars[-1]["scalars"])
     assert pinned_a == pinned_b
     assert unpinned_a[0] != metrics, "choice A did not change the rounding: the test cannot tell a pin from none"
+
+
+def test_the_pin_wins_over_the_caller_and_says_so():
+    from mechmon_megatron.research.reproducible_cpu import overridden_settings, pinned_environment
+
+    caller = {"ATEN_CPU_CAPABILITY": "AVX2", "MKL_CBWR": "AVX2", "PATH": "/bin"}
+    env = pinned_environment(caller, overrides={"ONEDNN_MAX_CPU_ISA": "SSE41"})
+    assert env["PATH"] == "/bin" and env["MKL_CBWR"] == "COMPATIBLE" and env["ONEDNN_MAX_CPU_ISA"] == "SSE41"
+    assert caller["MKL_CBWR"] == "AVX2"  # the caller's mapping is not changed
+    # the same value in another case is no override; another value is one line naming both
+    assert overridden_settings(caller) == ["MKL_CBWR=AVX2 in your environment; the runs use MKL_CBWR=COMPATIBLE"]
+
+
+def test_check_pin_reads_the_kernels_a_pinned_process_gets():
+    import platform
+
+    from mechmon_megatron.research.reproducible_cpu import check_pin
+
+    has_avx2 = platform.machine() == "x86_64" and " avx2" in open("/proc/cpuinfo").read()
+    pin = check_pin()
+    assert (pin.capability == "AVX2" and pin.reasons == ()) if has_avx2 else pin.reasons
+    broken = check_pin(python="/nonexistent/python")
+    assert broken.capability == "unknown" and "could not start /nonexistent/python" in broken.reasons[0]
