@@ -37,7 +37,9 @@ _INT_KEYS = ("interval", "delta", "exit_code", "drill_at", "router_entropy_bins"
 _FLOAT_KEYS = ("alpha", "false_alarm_rate", "snapshot_max_device_share")
 _BOOL_KEYS = ("enabled", "full_matrix_dw", "strict", "per_head_scalars")
 _STR_KEYS = ("qk_method", "action", "snapshot_device", "log_dir", "detector_calibration", "full_matrix_method",
-             "weights")
+             "weights", "alert_webhook")
+_OPTIONAL_STR_KEYS = ("log_dir", "alert_webhook")
+"""String keys whose JSON null means "not set"."""
 
 
 def read_ds_config(source: Union[str, os.PathLike, Mapping[str, Any]]) -> dict:
