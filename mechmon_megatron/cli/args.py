@@ -143,6 +143,11 @@ def add_mechmon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         default=None,
         help="Null-tail table of your own healthy runs (tools/calibrate_detector.py); default: the shipped one.",
     )
+    g.add_argument(
+        "--mechmon-detector-shewhart",
+        action="store_true",
+        help="Also alarm at once on one check far beyond the null tail (Shewhart limit; off by default).",
+    )
     for flag in REMOVED_FLAGS:  # 0.1 flags: accepted by the parser so that the error can name them
         g.add_argument(flag, type=str, default=None, help=argparse.SUPPRESS)
     return parser
@@ -182,6 +187,7 @@ def config_from_args(args: argparse.Namespace) -> MechmonConfig:
         router_min_effective_experts=args.mechmon_router_min_effective_experts,
         false_alarm_rate=args.mechmon_false_alarm_rate,
         detector_calibration=args.mechmon_detector_calibration,
+        detector_shewhart=bool(getattr(args, "mechmon_detector_shewhart", False)),
     )
 
 

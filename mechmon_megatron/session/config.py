@@ -118,6 +118,12 @@ class MechmonConfig:
     """A null-tail table of your own healthy runs (``tools/calibrate_detector.py``); default: the
     table shipped with the package (``mechmon_megatron/detect/null_tails.json``)."""
 
+    detector_shewhart: bool = False
+    """Add a Shewhart limit beside every CUSUM (one check far beyond the null tail alarms at
+    once; the union bound splits each test's probability between the two). Off by default until
+    it is confirmed on held-out fault seeds (docs/RESULTS.md, issue 19 design study). Needs a
+    calibration with a ``shewhart`` section (the shipped one has it)."""
+
     extra: dict = field(default_factory=dict)
     """Host-specific extras (ignored by the session)."""
 
