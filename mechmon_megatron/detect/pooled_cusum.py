@@ -24,6 +24,10 @@ for ``attn_delta2``). Per family (``attn_delta2``, ``attn_dw``, ``router_entropy
    beyond ``Observation.limit`` is kept out of the baseline and ``limit_patience`` consecutive
    such values fire an alarm, so a run that starts collapsed is judged by the limit.
 6. A non-finite value fires an alarm for its layer at once.
+7. **Option** (``SequentialConfig.shewhart``, default off): a test also alarms when one check's
+   pooled residual ``u`` exceeds its Shewhart limit (``Thresholds.shewhart``), kind ``shewhart``.
+8. **Calibration misfit** (``warning_probability`` given): per family, the warning episodes before
+   its first alarm against the tail model's prediction (:mod:`~mechmon_megatron.detect.misfit`).
 
 Thresholds come from one false-alarm target through ``detect.null_model``. Pure Python;
 ``state_dict()`` is JSON-serialisable and a replay of recorded values reproduces the online
