@@ -4,7 +4,9 @@
 
 Each RUN_DIR holds ``mechmon/mechmon_scalars.jsonl`` (or is that file) of a healthy run recorded
 with ``--mechmon-per-head-scalars``. The runs are replayed without alarms, the CUSUM values of
-every test are collected and their exponential tails fitted (``mechmon_megatron.detect.null_model``).
+every test are collected and their exponential tails fitted (``mechmon_megatron.detect.null_model``),
+and so are the per-check pooled residuals (the ``shewhart`` section that
+``--mechmon-detector-shewhart`` needs).
 Use the file with ``--mechmon-detector-calibration FILE`` (DeepSpeed: ``detector_calibration``).
 Prints a JSON summary.
 """
@@ -33,6 +35,7 @@ def main(argv=None) -> int:
             args.interval,
             args.delta,
             source=f"{len(series)} healthy runs, interval {args.interval}, delta {args.delta}",
+            shewhart=True,
         )
     except (OSError, ValueError) as exc:
         raise SystemExit(f"calibration failed: {exc}") from None

@@ -154,6 +154,11 @@ def add_mechmon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         default=None,
         help="http(s) URL: each alarm is posted there as Slack-compatible JSON (writer rank, never blocks).",
     )
+    g.add_argument(
+        "--mechmon-detector-shewhart",
+        action="store_true",
+        help="Also alarm at once on one check far beyond the null tail (Shewhart limit; off by default).",
+    )
     for flag in REMOVED_FLAGS:  # 0.1 flags: accepted by the parser so that the error can name them
         g.add_argument(flag, type=str, default=None, help=argparse.SUPPRESS)
     return parser
@@ -194,6 +199,7 @@ def config_from_args(args: argparse.Namespace) -> MechmonConfig:
         false_alarm_rate=args.mechmon_false_alarm_rate,
         detector_calibration=args.mechmon_detector_calibration,
         alert_webhook=getattr(args, "mechmon_alert_webhook", None),
+        detector_shewhart=bool(getattr(args, "mechmon_detector_shewhart", False)),
     )
 
 

@@ -7,14 +7,18 @@ The whole-job detector the session runs (docs/METHOD.md, section 7):
 - :mod:`~mechmon_megatron.detect.pooled_cusum` -- residuals pooled per layer and per family,
   one-sided CUSUMs, warnings and alarms, ``state_dict``;
 - :mod:`~mechmon_megatron.detect.null_model` -- the measured null tails (``null_tails.json``)
-  and the thresholds that one false-alarm rate for the whole job implies.
+  and the thresholds that one false-alarm rate for the whole job implies;
+- :mod:`~mechmon_megatron.detect.misfit` -- the calibration misfit counter (healthy-phase warning
+  episodes against the tail model's prediction).
 
 The per-stream rule of mechmon 0.1, which the session no longer uses, lives with the studies
 that compare against it: ``mechmon_megatron.research.detect_v01``.
 """
 
+from mechmon_megatron.detect.misfit import MisfitCounter
 from mechmon_megatron.detect.null_model import (
     DEFAULT_FALSE_ALARM_RATE,
+    SHEWHART_SHARE,
     JobShape,
     NullTail,
     TailTable,
@@ -37,11 +41,13 @@ __all__ = [
     "DEFAULT_FALSE_ALARM_RATE",
     "FamilyThresholds",
     "JobShape",
+    "MisfitCounter",
     "NullTail",
     "Observation",
     "PooledAlarm",
     "PooledCusumDetector",
     "RobustTrend",
+    "SHEWHART_SHARE",
     "SequentialConfig",
     "TailTable",
     "Thresholds",

@@ -20,6 +20,12 @@ end of its one-sided confidence interval, so the thresholds err on the side of s
 
     h = u0 + (log P0(S > u0) - log p) / theta_lower.
 
+**Shewhart option** (``SequentialConfig.shewhart``): each test also alarms when one check's pooled
+residual ``u`` exceeds a limit ``c``. Its null tail ``P0(u > c)`` is fitted the same way on the
+per-check residuals of the same healthy replays (``TailTable.shewhart``), and each test's
+probability is split, ``p_cusum = (1 - SHEWHART_SHARE) p``, ``p_shewhart = SHEWHART_SHARE p``, so
+the union bound still sums to ``R`` over both tests (docs/METHOD.md section 7).
+
 The fitted tails of the shipped default (``null_tails.json``) were measured on the study's
 healthy runs (docs/RESULTS.md, "Calibration"); ``tools/calibrate_detector.py`` refits them on a
 user's own healthy runs. Pure Python.
@@ -31,7 +37,7 @@ import json
 import math
 import os
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
 from mechmon_megatron.detect.pooled_cusum import FAMILY_DIRECTIONS, FamilyThresholds, Thresholds
@@ -39,6 +45,7 @@ from mechmon_megatron.detect.pooled_cusum import FAMILY_DIRECTIONS, FamilyThresh
 __all__ = [
     "DEFAULT_FALSE_ALARM_RATE",
     "DEFAULT_WARNING_FACTOR",
+    "SHEWHART_SHARE",
     "JobShape",
     "NullTail",
     "TailTable",
@@ -53,6 +60,11 @@ DEFAULT_FALSE_ALARM_RATE = 0.01
 
 DEFAULT_WARNING_FACTOR = 1000.0
 """Warnings are set at ``R * factor`` (10 per million steps at the default R): sensitive, never act."""
+
+SHEWHART_SHARE = 0.5
+"""Share of each test's false-alarm probability given to its Shewhart limit (when on). Both
+thresholds move with ``log p / theta``, so halving a test's ``p`` raises it by only
+``log 2 / theta``; an even split is the choice that favours neither test and needs no fault data."""
 
 _TAIL_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "null_tails.json")
 
@@ -157,6 +169,25 @@ class TailTable:
 
     tails: dict[int, dict[str, dict[str, NullTail]]]
     source: str = ""
+    shewhart: dict[int, dict[str, dict[str, NullTail]]] = field(default_factory=dict)
+    """Null tails of the per-check pooled residual ``u`` (same keys); empty in files written
+    before the Shewhart option (the option is then refused at start-up)."""
+
+    def shewhart_tail(self, overlap: int, family: str, level: str) -> tuple[NullTail, str]:
+        """The residual tail for this overlap: the smallest measured overlap >= ``overlap``, else
+        the largest measured (a marginal tail: not scaled; the note says so). KeyError when the
+        table has none for the family (a calibration file without a ``shewhart`` section)."""
+        if not self.shewhart:
+            raise KeyError("no Shewhart tails in this calibration (refit it with tools/calibrate_detector.py)")
+        measured = sorted(self.shewhart)
+        usable = [m for m in measured if m >= overlap]
+        m = usable[0] if usable else measured[-1]
+        levels = self.shewhart[m].get(family)
+        if levels is None:
+            raise KeyError(f"no Shewhart tail for family {family!r} at overlap {m}")
+        tail = levels.get(level) or levels["layer"]
+        note = "" if m == overlap else f"overlap {overlap} uses the Shewhart tail measured at overlap {m}"
+        return tail, note
 
     def tail(self, overlap: int, family: str, level: str) -> tuple[NullTail, str]:
         """The tail for this overlap, and a note when it is not a direct measurement.
@@ -195,13 +226,10 @@ class TailTable:
             raise KeyError(f"no null tail for family {family!r} level {level!r} at overlap {overlap}") from None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "source": self.source,
-            "tails": {
-                str(m): {f: {lv: t.to_dict() for lv, t in levels.items()} for f, levels in fams.items()}
-                for m, fams in sorted(self.tails.items())
-            },
-        }
+        out: dict[str, Any] = {"source": self.source, "tails": _tails_to_dict(self.tails)}
+        if self.shewhart:  # files without the option stay byte-identical
+            out["shewhart"] = _tails_to_dict(self.shewhart)
+        return out
 
     @classmethod
     def from_dict(cls, data: Any) -> TailTable:
@@ -211,31 +239,50 @@ class TailTable:
         string: ``{"tails": {overlap: {family: {level: tail}}}}`` with overlaps positive integers,
         families of :data:`FAMILY_DIRECTIONS`, levels ``layer`` / ``family``, and every tail
         with the fields of :class:`NullTail` (``theta`` and ``theta_hat`` finite and > 0, ``u0``
-        finite and >= 0, ``log_p_u0`` finite and <= 0, counts integers >= 1).
+        finite and >= 0, ``log_p_u0`` finite and <= 0, counts integers >= 1). The optional
+        ``"shewhart"`` section (the tails of the Shewhart limits, ``--mechmon-detector-shewhart``)
+        has the same shape and the same checks.
         """
         if not isinstance(data, Mapping) or not isinstance(data.get("tails"), Mapping):
             raise ValueError('expected a JSON object {"tails": {overlap: {family: {level: tail}}}}, got '
                              f"{type(data).__name__}")
         if not data["tails"]:
             raise ValueError('"tails" is empty: no measured overlap')
-        tails: dict[int, dict[str, dict[str, NullTail]]] = {}
-        for key, families in data["tails"].items():
-            overlap = _overlap_key(key)
-            if not isinstance(families, Mapping) or not families:
-                raise ValueError(f"tails[{key!r}] must be a non-empty object of families")
-            tails[overlap] = {}
-            for family, levels in families.items():
-                if family not in FAMILY_DIRECTIONS:
-                    raise ValueError(f"tails[{key!r}]: unknown family {family!r}; known: {sorted(FAMILY_DIRECTIONS)}")
-                if not isinstance(levels, Mapping) or "layer" not in levels:
-                    raise ValueError(f"tails[{key!r}][{family!r}] must be an object with a \"layer\" tail")
-                tails[overlap][family] = {}
-                for level, entry in levels.items():
-                    if level not in TAIL_LEVELS:
-                        raise ValueError(f"tails[{key!r}][{family!r}]: unknown level {level!r}; known: "
-                                         f"{list(TAIL_LEVELS)}")
-                    tails[overlap][family][level] = _null_tail(entry, f"tails[{key!r}][{family!r}][{level!r}]")
-        return cls(tails=tails, source=str(data.get("source", "")))
+        shewhart = data.get("shewhart") or {}
+        if not isinstance(shewhart, Mapping):
+            raise ValueError(f'"shewhart" must be an object {{overlap: {{family: {{level: tail}}}}}}, got '
+                             f"{type(shewhart).__name__}")
+        return cls(tails=_checked_tails(data["tails"], "tails"), source=str(data.get("source", "")),
+                   shewhart=_checked_tails(shewhart, "shewhart"))
+
+
+def _tails_to_dict(tails: Mapping[int, Mapping[str, Mapping[str, NullTail]]]) -> dict[str, Any]:
+    return {
+        str(m): {f: {lv: t.to_dict() for lv, t in levels.items()} for f, levels in fams.items()}
+        for m, fams in sorted(tails.items())
+    }
+
+
+def _checked_tails(section: Mapping[Any, Any], name: str) -> dict[int, dict[str, dict[str, NullTail]]]:
+    """One section of a calibration file (``tails`` or ``shewhart``), every entry checked."""
+    tails: dict[int, dict[str, dict[str, NullTail]]] = {}
+    for key, families in section.items():
+        overlap = _overlap_key(key)
+        if not isinstance(families, Mapping) or not families:
+            raise ValueError(f"{name}[{key!r}] must be a non-empty object of families")
+        tails[overlap] = {}
+        for family, levels in families.items():
+            if family not in FAMILY_DIRECTIONS:
+                raise ValueError(f"{name}[{key!r}]: unknown family {family!r}; known: {sorted(FAMILY_DIRECTIONS)}")
+            if not isinstance(levels, Mapping) or "layer" not in levels:
+                raise ValueError(f"{name}[{key!r}][{family!r}] must be an object with a \"layer\" tail")
+            tails[overlap][family] = {}
+            for level, entry in levels.items():
+                if level not in TAIL_LEVELS:
+                    raise ValueError(f"{name}[{key!r}][{family!r}]: unknown level {level!r}; known: "
+                                     f"{list(TAIL_LEVELS)}")
+                tails[overlap][family][level] = _null_tail(entry, f"{name}[{key!r}][{family!r}][{level!r}]")
+    return tails
 
 
 TAIL_LEVELS = ("layer", "family")
@@ -315,15 +362,22 @@ def thresholds_for_job(
     rate_per_million: float = DEFAULT_FALSE_ALARM_RATE,
     table: Optional[TailTable] = None,
     warning_factor: float = DEFAULT_WARNING_FACTOR,
+    shewhart: bool = False,
 ) -> tuple[dict[str, FamilyThresholds], dict[str, Any]]:
-    """Per-family thresholds for the job, and a JSON-serialisable account of how they were set."""
+    """Per-family thresholds for the job, and a JSON-serialisable account of how they were set.
+
+    ``shewhart``: also set each test's Shewhart limit from ``table.shewhart``, with the test's
+    probability split ``SHEWHART_SHARE`` to the limit and the rest to its CUSUM (KeyError when
+    the table has no Shewhart tails)."""
     if not (math.isfinite(rate_per_million) and rate_per_million > 0):
         raise ValueError(f"--mechmon-false-alarm-rate must be a number > 0, got {rate_per_million}.")
     if not warning_factor >= 1:
         raise ValueError(f"warning factor must be >= 1, got {warning_factor}.")
     table = table or load_tail_table()
     tests = max(1, shape.num_tests())
-    per_test = per_test_probability(shape, rate_per_million)
+    per_test_total = per_test_probability(shape, rate_per_million)
+    per_test = per_test_total * (1.0 - SHEWHART_SHARE) if shewhart else per_test_total
+    per_test_shewhart = per_test_total * SHEWHART_SHARE
     per_test_warning = min(0.5, per_test * warning_factor)
     out: dict[str, FamilyThresholds] = {}
     notes: list[str] = []
@@ -334,7 +388,13 @@ def thresholds_for_job(
             if note and note not in notes:
                 notes.append(note)
             warning, alarm = tail.threshold(per_test_warning), tail.threshold(per_test)
-            levels[level] = Thresholds(warning=max(warning, 1e-6), alarm=max(alarm, warning, 1e-6))
+            limit = None
+            if shewhart:
+                residual_tail, note = table.shewhart_tail(shape.overlap, family, level)
+                if note and note not in notes:
+                    notes.append(note)
+                limit = max(residual_tail.threshold(per_test_shewhart), 1e-6)
+            levels[level] = Thresholds(warning=max(warning, 1e-6), alarm=max(alarm, warning, 1e-6), shewhart=limit)
         out[family] = FamilyThresholds(layer=levels["layer"], family=levels["family"])
     account = {
         "false_alarm_rate_per_million_steps": rate_per_million,
@@ -344,6 +404,16 @@ def thresholds_for_job(
         "warning_per_test_check_probability": per_test_warning,
         "overlap": shape.overlap,
         "notes": notes,
-        "thresholds": {f: {"layer": asdict(t.layer), "family": asdict(t.family)} for f, t in out.items()},
+        "thresholds": {f: {"layer": _levels_dict(t.layer), "family": _levels_dict(t.family)} for f, t in out.items()},
     }
+    if shewhart:
+        account["shewhart_share"] = SHEWHART_SHARE
+        account["shewhart_per_test_check_probability"] = per_test_shewhart
     return out, account
+
+
+def _levels_dict(t: Thresholds) -> dict[str, Any]:
+    out = asdict(t)
+    if t.shewhart is None:  # the default design's account is unchanged
+        del out["shewhart"]
+    return out

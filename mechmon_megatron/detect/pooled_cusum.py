@@ -24,6 +24,10 @@ for ``attn_delta2``). Per family (``attn_delta2``, ``attn_dw``, ``router_entropy
    beyond ``Observation.limit`` is kept out of the baseline and ``limit_patience`` consecutive
    such values fire an alarm, so a run that starts collapsed is judged by the limit.
 6. A non-finite value fires an alarm for its layer at once.
+7. **Option** (``SequentialConfig.shewhart``, default off): a test also alarms when one check's
+   pooled residual ``u`` exceeds its Shewhart limit (``Thresholds.shewhart``), kind ``shewhart``.
+8. **Calibration misfit** (``warning_probability`` given): per family, the warning episodes before
+   its first alarm against the tail model's prediction (:mod:`~mechmon_megatron.detect.misfit`).
 
 Thresholds come from one false-alarm target through ``detect.null_model``. Pure Python;
 ``state_dict()`` is JSON-serialisable and a replay of recorded values reproduces the online
@@ -37,6 +41,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal, Optional
 
+from mechmon_megatron.detect.misfit import MisfitCounter
 from mechmon_megatron.detect.robust_trend import Direction, RobustTrend, TrendConfig
 
 __all__ = [
@@ -78,14 +83,19 @@ def trimmed_mean(values: Iterable[float], trim: float) -> float:
 
 @dataclass(frozen=True, slots=True)
 class Thresholds:
-    """CUSUM levels (in pooled-residual units) of one test."""
+    """CUSUM levels (in pooled-residual units) of one test, and its optional Shewhart limit."""
 
     warning: float
     alarm: float
+    shewhart: Optional[float] = None
+    """One check whose pooled residual ``u`` exceeds this alarms at once (pooled-residual units);
+    None: no Shewhart limit (the default design)."""
 
     def __post_init__(self) -> None:
         if not (0 < self.warning <= self.alarm and math.isfinite(self.alarm)):
             raise ValueError(f"thresholds need 0 < warning <= alarm < inf, got {self.warning}, {self.alarm}.")
+        if self.shewhart is not None and not (math.isfinite(self.shewhart) and self.shewhart > 0):
+            raise ValueError(f"a Shewhart limit must be finite and > 0, got {self.shewhart}.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +120,10 @@ class SequentialConfig:
     """Consecutive values beyond the absolute limit (before a baseline) that fire an alarm."""
     name_members_above: float = 2.0
     """An alarm names the members (heads) whose residual is at least this (else the largest)."""
+    shewhart: bool = False
+    """Also alarm when one check's pooled residual lies beyond the test's Shewhart limit
+    (``Thresholds.shewhart``; the union bound then splits each test's probability between the
+    two, ``detect.null_model``). Off by default until held-out fault seeds confirm it."""
     trend: TrendConfig = field(default_factory=TrendConfig)
     """Per-stream baseline; ``family_trends`` overrides it per family."""
     family_trends: Mapping[str, TrendConfig] = field(default_factory=dict)
@@ -203,7 +217,11 @@ class CheckResult:
     warnings: list[tuple[str, Optional[int]]] = field(default_factory=list)
     """(family, layer or None for the family test) above the warning level."""
     statistics: dict[str, float] = field(default_factory=dict)
-    """``"<family>/cusum/layer_L"``, ``"<family>/residual/layer_L"``, ``"<family>/cusum"``."""
+    """``"<family>/cusum/layer_L"``, ``"<family>/residual/layer_L"``, ``"<family>/cusum"`` and,
+    with the misfit counter on, ``"<family>/calibration_misfit"`` (1/0) and its
+    ``.../observed`` and ``.../expected`` counts."""
+    misfits: list[str] = field(default_factory=list)
+    """Families whose calibration misfit fired at this check (once per family and job)."""
 
 
 @dataclass
@@ -227,11 +245,25 @@ def _stream_alarm(step: int, obs: Observation, kind: str, statistic: float, thre
 
 
 class PooledCusumDetector:
-    """See the module docstring. ``thresholds``: family -> :class:`FamilyThresholds`."""
+    """See the module docstring. ``thresholds``: family -> :class:`FamilyThresholds`.
 
-    def __init__(self, thresholds: Mapping[str, FamilyThresholds], config: SequentialConfig) -> None:
+    ``warning_probability`` (the per-test, per-check null probability of the warning level that
+    set the thresholds, ``detect.null_model``) turns on the calibration misfit counter
+    (:mod:`~mechmon_megatron.detect.misfit`); None leaves it off."""
+
+    def __init__(
+        self,
+        thresholds: Mapping[str, FamilyThresholds],
+        config: SequentialConfig,
+        warning_probability: Optional[float] = None,
+    ) -> None:
         self.config = config
         self.thresholds = dict(thresholds)
+        if config.shewhart:
+            missing = sorted(f for f, t in self.thresholds.items() if t.layer.shewhart is None)
+            if missing:
+                raise ValueError(f"the Shewhart option needs Shewhart limits for families {missing}.")
+        self.misfit = MisfitCounter(warning_probability) if warning_probability is not None else None
         self._trends: dict[tuple[str, int, str], RobustTrend] = {}
         self._limit_runs: dict[tuple[str, int, str], int] = {}
         self._layer_cusums: dict[tuple[str, int], _Cusum] = {}
@@ -306,9 +338,12 @@ class PooledCusumDetector:
             if zs:
                 layer_u[layer] = trimmed_mean(zs.values(), cfg.trim)
         # Layer CUSUMs.
+        upcrossings = 0  # tests crossing their warning level upwards at this check (misfit counter)
         for layer, u in layer_u.items():
             cusum = self._layer_cusums.setdefault((family, layer), _Cusum())
+            before = cusum.value
             cusum.update(u, cfg.reference, self._last_step)
+            upcrossings += before <= levels.layer.warning < cusum.value
             result.statistics[f"{family}/residual/layer_{layer}"] = u
             result.statistics[f"{family}/cusum/layer_{layer}"] = cusum.value
             if cusum.value > levels.layer.alarm:
@@ -326,6 +361,21 @@ class PooledCusumDetector:
                     )
                 )
                 restart_layers.add(layer)
+            elif self._shewhart_fires(u, levels.layer):
+                result.alarms.append(
+                    PooledAlarm(
+                        step=step,
+                        family=family,
+                        level="layer",
+                        kind="shewhart",
+                        layers=(layer,),
+                        members=self._carriers(residuals[layer]),
+                        statistic=u,
+                        threshold=float(levels.layer.shewhart or 0.0),
+                        change_step=self._last_step,
+                    )
+                )
+                restart_layers.add(layer)
             elif cusum.value > levels.layer.warning:
                 result.warnings.append((family, layer))
         # Family CUSUM (only when there is more than one layer to pool).
@@ -333,9 +383,13 @@ class PooledCusumDetector:
         family_cusum = None
         if len(layer_u) > 1:
             family_cusum = self._family_cusums.setdefault(family, _Cusum())
-            family_cusum.update(trimmed_mean(layer_u.values(), cfg.trim), cfg.reference, self._last_step)
+            before = family_cusum.value
+            u_family = trimmed_mean(layer_u.values(), cfg.trim)
+            family_cusum.update(u_family, cfg.reference, self._last_step)
+            upcrossings += before <= levels.family.warning < family_cusum.value
             result.statistics[f"{family}/cusum"] = family_cusum.value
-            if family_cusum.value > levels.family.alarm:
+            cusum_fires = family_cusum.value > levels.family.alarm
+            if cusum_fires or self._shewhart_fires(u_family, levels.family):
                 carriers = sorted(layer_u, key=lambda L: (-layer_u[L], L))
                 named = tuple(L for L in carriers if layer_u[L] >= cfg.name_members_above) or tuple(carriers[:1])
                 result.alarms.append(
@@ -343,17 +397,23 @@ class PooledCusumDetector:
                         step=step,
                         family=family,
                         level="family",
-                        kind="cusum",
+                        kind="cusum" if cusum_fires else "shewhart",
                         layers=named,
                         members=self._carriers(residuals[named[0]]),
-                        statistic=family_cusum.value,
-                        threshold=levels.family.alarm,
-                        change_step=family_cusum.last_zero_step,
+                        statistic=family_cusum.value if cusum_fires else u_family,
+                        threshold=levels.family.alarm if cusum_fires else float(levels.family.shewhart or 0.0),
+                        change_step=family_cusum.last_zero_step if cusum_fires else self._last_step,
                     )
                 )
                 restart_family = True
             elif family_cusum.value > levels.family.warning:
                 result.warnings.append((family, None))
+        if self.misfit is not None and layer_u:
+            alarmed = family in self.first_alarm_steps or any(a.family == family for a in result.alarms)
+            tests = len(layer_u) + (1 if len(layer_u) > 1 else 0)
+            if not alarmed and self.misfit.count(family, tests, upcrossings):
+                result.misfits.append(family)
+            result.statistics.update(self.misfit.statistics(family))
         family_suspect = family_cusum is not None and family_cusum.value > levels.family.warning
         # Baselines: absorb the values of layers that are not suspected of a shift.
         for key, value in to_accept:
@@ -369,6 +429,9 @@ class PooledCusumDetector:
             for key, trend in self._trends.items():
                 if key[0] == family and key[1] == layer:
                     trend.reset()
+
+    def _shewhart_fires(self, u: float, levels: Thresholds) -> bool:
+        return self.config.shewhart and levels.shewhart is not None and u > levels.shewhart
 
     def _carriers(self, zs: Mapping[str, float]) -> tuple[str, ...]:
         ranked = sorted(zs, key=lambda m: (-zs[m], m))
@@ -390,6 +453,7 @@ class PooledCusumDetector:
             "layer_cusums": [[f, L, c.value, c.last_zero_step] for (f, L), c in sorted(self._layer_cusums.items())],
             "family_cusums": [[f, c.value, c.last_zero_step] for f, c in sorted(self._family_cusums.items())],
             "first_alarm_steps": dict(sorted(self.first_alarm_steps.items())),
+            **({"misfit": self.misfit.state_dict()} if self.misfit is not None else {}),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -409,3 +473,5 @@ class PooledCusumDetector:
         self._family_cusums = {f: _Cusum(float(v), z) for f, v, z in state["family_cusums"]}
         self._last_step = state["last_step"]
         self.first_alarm_steps = {k: int(v) for k, v in state["first_alarm_steps"].items()}
+        if self.misfit is not None and "misfit" in state:  # state of an older version has none: start at 0
+            self.misfit.load_state_dict(state["misfit"])

@@ -121,6 +121,11 @@ class MechmonConfig:
     alert_webhook: Optional[str] = None
     """http(s) URL that receives each alarm as Slack-compatible JSON from the writer rank (a daemon
     thread with a timeout and bounded retries: it never blocks or fails training)."""
+    detector_shewhart: bool = False
+    """Add a Shewhart limit beside every CUSUM (one check far beyond the null tail alarms at
+    once; the union bound splits each test's probability between the two). Off by default until
+    it is confirmed on held-out fault seeds (docs/RESULTS.md, issue 19 design study). Needs a
+    calibration with a ``shewhart`` section (the shipped one has it)."""
 
     extra: dict = field(default_factory=dict)
     """Host-specific extras (ignored by the session)."""

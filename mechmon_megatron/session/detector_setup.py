@@ -9,6 +9,7 @@ their union (the job shape the union bound counts), with thresholds set from
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional
@@ -60,7 +61,7 @@ def job_shape(config: MechmonConfig, per_rank: Iterable[Mapping[str, Sequence[in
 def load_detector_design(config: MechmonConfig) -> tuple[SequentialConfig, TailTable]:
     """The detector's design for this schedule and its null tails, checked at start-up: a bad
     calibration file stops the job naming the flag, before any training step."""
-    design = default_sequential_config(config.interval)
+    design = dataclasses.replace(default_sequential_config(config.interval), shewhart=config.detector_shewhart)
     source = config.detector_calibration or "the shipped null_tails.json"
     try:
         table = load_tail_table(config.detector_calibration)
@@ -68,6 +69,15 @@ def load_detector_design(config: MechmonConfig) -> tuple[SequentialConfig, TailT
             table.tail(config.overlap, family, "layer")
     except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
         raise ValueError(f"--mechmon-detector-calibration: no usable null-tail table in {source}: {exc}") from None
+    if design.shewhart:
+        try:
+            for family in FAMILY_DIRECTIONS:
+                table.shewhart_tail(config.overlap, family, "layer")
+        except KeyError as exc:
+            raise ValueError(
+                f"--mechmon-detector-shewhart: the calibration {source} has no Shewhart tails ({exc.args[0]}); "
+                "refit it with tools/calibrate_detector.py (it writes a `shewhart` section) or drop the flag."
+            ) from None
     return design, table
 
 
@@ -75,12 +85,15 @@ def build_detector(
     config: MechmonConfig, shape: JobShape, design: SequentialConfig, table: TailTable
 ) -> tuple[PooledCusumDetector, dict[str, Any]]:
     """The detector and a JSON account of its thresholds (logged once by the writer)."""
-    thresholds, account = thresholds_for_job(shape, config.false_alarm_rate, table)
+    thresholds, account = thresholds_for_job(shape, config.false_alarm_rate, table, shewhart=design.shewhart)
     account["calibration"] = config.detector_calibration or "shipped (mechmon_megatron/detect/null_tails.json)"
     account["layers"] = dict(shape.layers)
     for note in account["notes"]:
         logger.warning("[mechmon] detector: %s", note)
-    return PooledCusumDetector(thresholds, design), account
+    detector = PooledCusumDetector(
+        thresholds, design, warning_probability=account["warning_per_test_check_probability"]
+    )
+    return detector, account
 
 
 def _head_index(member: str) -> Optional[int]:
@@ -96,7 +109,16 @@ def alert_of(alarm: PooledAlarm, config: MechmonConfig, design: SequentialConfig
     """
     heads = [h for h in (_head_index(m) for m in alarm.members) if h is not None]
     layer = alarm.layers[0] if alarm.layers else None
-    if alarm.kind == "cusum":
+    if alarm.kind == "shewhart":
+        suffix = f"/layer_{layer}" if alarm.level == "layer" else ""
+        stream = f"mechmon/detect/{alarm.family}/residual{suffix}"
+        start = alarm.change_step if alarm.change_step is not None else alarm.step - config.interval
+        first = max(0, start + config.interval - config.delta)
+        reason = (
+            f"{alarm.family} shifted towards collapse: pooled residual {alarm.statistic:.3g} > Shewhart limit "
+            f"{alarm.threshold:.3g} ({alarm.level} test; set by --mechmon-false-alarm-rate {config.false_alarm_rate:g})"
+        )
+    elif alarm.kind == "cusum":
         stream = f"mechmon/detect/{alarm.family}/cusum" + (f"/layer_{layer}" if alarm.level == "layer" else "")
         start = alarm.change_step if alarm.change_step is not None else alarm.step - config.interval
         first = max(0, start + config.interval - config.delta)

@@ -439,6 +439,15 @@ class MonitoringSession:
         result = self._ensure_detector(gathered).update(iteration, observations)
         alerts.extend(alert_of(alarm, self.config, self._detector_design) for alarm in result.alarms)
         self._log_new_warnings(iteration, result.warnings)
+        for family in result.misfits:  # once per family and job: the loud part of the misfit counter
+            logger.warning(
+                "[mechmon] detector: calibration misfit in %s: %s warning episodes in the healthy phase where the "
+                "null tails predict %.3g; the thresholds are too low for this job -- refit them on its healthy "
+                "steps with tools/calibrate_detector.py and pass --mechmon-detector-calibration",
+                family,
+                int(result.statistics.get(f"{family}/calibration_misfit/observed", 0)),
+                result.statistics.get(f"{family}/calibration_misfit/expected", 0.0),
+            )
         scalars.update({f"{names.DETECT_PREFIX}/{key}": value for key, value in result.statistics.items()})
         scalars[names.ALARM] = 1.0 if alerts else 0.0
         # 1: every rank's checks ran and the detector decided (a failure so far makes it 0).

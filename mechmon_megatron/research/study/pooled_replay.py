@@ -23,6 +23,7 @@ from mechmon_megatron.detect.pooled_cusum import (
     SequentialConfig,
     Thresholds,
     default_sequential_config,
+    trimmed_mean,
 )
 from mechmon_megatron.session.detector_inputs import observations_from_scalars
 
@@ -90,54 +91,98 @@ def null_statistics(
     return out
 
 
+def null_residuals(
+    runs: Iterable[Checks], config: SequentialConfig
+) -> dict[str, dict[str, list[float]]]:
+    """Per-check pooled residuals of healthy runs, by family and level: ``u_L`` of every layer and
+    ``u_F`` (the trimmed mean of the check's ``u_L``, as the detector pools them; families with
+    more than one layer) -- the null distribution the Shewhart limits are set from. Replayed
+    without alarms, like :func:`null_statistics`."""
+    out: dict[str, dict[str, list[float]]] = {f: {"layer": [], "family": []} for f in FAMILIES}
+    for checks in runs:
+        detector = PooledCusumDetector(never_thresholds(), config)
+        for step, scalars in checks:
+            result = detector.update(step, observations_from_scalars(scalars))
+            per_family: dict[str, list[float]] = {}
+            for key, value in result.statistics.items():
+                if "/residual/layer_" in key:
+                    per_family.setdefault(key.split("/", 1)[0], []).append(value)
+            for family, us in per_family.items():
+                out[family]["layer"].extend(us)
+                if len(us) > 1:
+                    out[family]["family"].append(trimmed_mean(us, config.trim))
+    return out
+
+
+def _fit_levels(
+    stats: Mapping[str, Mapping[str, list[float]]], overlap: int, tail_quantile: float, what: str
+) -> tuple[dict[str, dict[str, NullTail]], dict[str, Any]]:
+    """Fit every family and level of ``stats``, with the borrowing of a data-starved test."""
+    tails: dict[str, dict[str, NullTail]] = {}
+    log: dict[str, Any] = {}
+    pooled = {level: [v for levels in stats.values() for v in levels[level]] for level in ("layer", "family")}
+    for level in ("layer", "family"):
+        for family, levels in stats.items():
+            values = levels[level]
+            if not values:
+                continue
+            entry: dict[str, Any] = {
+                "values": len(values),
+                "max_value": max(values),
+                "zeros": sum(1 for v in values if v <= 0),
+            }
+            # Too few excursions to fit (a quiet test): fall back to a tail that is at least as
+            # heavy: all families at this level together, then (family level) the layer tail.
+            candidates = [(values, ""), (pooled[level], f"the {level} tail of all families pooled")]
+            if level == "family":
+                candidates += [
+                    (levels["layer"], "this family's layer tail"),
+                    (pooled["layer"], "the layer tail of all families pooled"),
+                ]
+            for data, note in candidates:
+                try:
+                    tail = fit_null_tail(data, tail_quantile=tail_quantile)
+                except ValueError:
+                    continue
+                if note:
+                    entry["fallback"] = f"too few excursions; used {note}"
+                break
+            else:
+                prefix = "" if what == "CUSUM" else f"{what} "
+                raise ValueError(
+                    f"overlap {overlap}: no healthy excursions to fit {prefix}{family}/{level}; record longer runs"
+                )
+            tails.setdefault(family, {})[level] = tail
+            log[f"{overlap}/{family}/{level}"] = {**entry, **tail.to_dict()}
+    return tails, log
+
+
 def fit_tail_table(
-    overlaps: Mapping[int, tuple[int, Sequence[Checks]]], source: str = "", tail_quantile: float = 0.95
+    overlaps: Mapping[int, tuple[int, Sequence[Checks]]],
+    source: str = "",
+    tail_quantile: float = 0.95,
+    shewhart: bool = False,
 ) -> tuple[TailTable, dict[str, Any]]:
     """Null tails per overlap; ``overlaps``: overlap -> (check interval, healthy check series).
-    Each overlap's series is replayed with the shipped design for its interval."""
+    Each overlap's series is replayed with the shipped design for its interval. ``shewhart``:
+    also fit the tails of the per-check pooled residuals (the Shewhart limits' null model)."""
     tails: dict[int, dict[str, dict[str, NullTail]]] = {}
     log: dict[str, Any] = {}
+    shewhart_tails: dict[int, dict[str, dict[str, NullTail]]] = {}
     for overlap, (interval, series) in overlaps.items():
-        stats = null_statistics(series, default_sequential_config(interval))
-        tails[overlap] = {}
-        pooled = {level: [v for levels in stats.values() for v in levels[level]] for level in ("layer", "family")}
-        for level in ("layer", "family"):
-            for family, levels in stats.items():
-                values = levels[level]
-                if not values:
-                    continue
-                entry: dict[str, Any] = {
-                    "values": len(values),
-                    "max_value": max(values),
-                    "zeros": sum(1 for v in values if v <= 0),
-                }
-                # Too few excursions to fit (a quiet test): fall back to a tail that is at least as
-                # heavy: all families at this level together, then (family level) the layer tail.
-                candidates = [(values, ""), (pooled[level], f"the {level} tail of all families pooled")]
-                if level == "family":
-                    candidates += [
-                        (levels["layer"], "this family's layer tail"),
-                        (pooled["layer"], "the layer tail of all families pooled"),
-                    ]
-                for data, note in candidates:
-                    try:
-                        tail = fit_null_tail(data, tail_quantile=tail_quantile)
-                    except ValueError:
-                        continue
-                    if note:
-                        entry["fallback"] = f"too few excursions; used {note}"
-                    break
-                else:
-                    raise ValueError(
-                        f"overlap {overlap}: no healthy excursions to fit {family}/{level}; record longer runs"
-                    )
-                tails[overlap].setdefault(family, {})[level] = tail
-                log[f"{overlap}/{family}/{level}"] = {**entry, **tail.to_dict()}
-    return TailTable(tails=tails, source=source), log
+        config = default_sequential_config(interval)
+        tails[overlap], fit_log = _fit_levels(null_statistics(series, config), overlap, tail_quantile, "CUSUM")
+        log.update(fit_log)
+        if shewhart:
+            shewhart_tails[overlap], fit_log = _fit_levels(
+                null_residuals(series, config), overlap, tail_quantile, "residual"
+            )
+            log.update({f"shewhart/{k}": v for k, v in fit_log.items()})
+    return TailTable(tails=tails, source=source, shewhart=shewhart_tails), log
 
 
 def calibrate_on_runs(
-    series: Sequence[Checks], interval: int, delta: int, source: str = ""
+    series: Sequence[Checks], interval: int, delta: int, source: str = "", shewhart: bool = False
 ) -> tuple[TailTable, dict[str, Any]]:
     """Null tails of healthy runs recorded every ``interval`` steps over ``delta``-step windows: at
     their own overlap ``ceil(delta / interval)`` and, when ``delta`` is a multiple of ``interval``,
@@ -148,7 +193,7 @@ def calibrate_on_runs(
     overlaps: dict[int, tuple[int, Sequence[Checks]]] = {native: (interval, series)}
     if native > 1 and delta % interval == 0:
         overlaps[1] = (delta, [subsample(c, interval, native) for c in series])
-    return fit_tail_table(overlaps, source=source)
+    return fit_tail_table(overlaps, source=source, shewhart=shewhart)
 
 
 def proxy_shape(checks: Checks, interval: int, overlap: int) -> JobShape:
@@ -162,6 +207,6 @@ def proxy_shape(checks: Checks, interval: int, overlap: int) -> JobShape:
 
 
 def thresholds_at_rate(
-    checks: Checks, interval: int, overlap: int, rate: float, table: TailTable
+    checks: Checks, interval: int, overlap: int, rate: float, table: TailTable, shewhart: bool = False
 ) -> tuple[dict[str, FamilyThresholds], dict[str, Any]]:
-    return thresholds_for_job(proxy_shape(checks, interval, overlap), rate, table)
+    return thresholds_for_job(proxy_shape(checks, interval, overlap), rate, table, shewhart=shewhart)

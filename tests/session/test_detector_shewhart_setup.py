@@ -1,0 +1,62 @@
+"""Session wiring of the Shewhart option and the misfit counter: flag, start-up refusal naming the
+flag when a calibration lacks the ``shewhart`` section, thresholds, alert record."""
+
+import argparse
+import json
+
+import pytest
+
+from mechmon_megatron.cli.args import add_mechmon_args, config_from_args
+from mechmon_megatron.detect.null_model import JobShape, load_tail_table
+from mechmon_megatron.detect.pooled_cusum import PooledAlarm
+from mechmon_megatron.session.config import MechmonConfig
+from mechmon_megatron.session.detector_setup import alert_of, build_detector, load_detector_design
+
+SHAPE = JobShape(layers={"attn_delta2": 4, "attn_dw": 4, "router_entropy": 4, "router_weights": 4}, interval=20,
+                 overlap=5)
+
+
+def test_flag_is_off_by_default_and_maps_onto_the_config():
+    parser = add_mechmon_args(argparse.ArgumentParser())
+    assert config_from_args(parser.parse_args([])).detector_shewhart is False
+    assert config_from_args(parser.parse_args(["--mechmon-detector-shewhart"])).detector_shewhart is True
+
+
+def test_default_design_has_no_limits_and_the_misfit_counter_on():
+    config = MechmonConfig(enabled=True, interval=20, delta=100)
+    design, table = load_detector_design(config)
+    detector, account = build_detector(config, SHAPE, design, table)
+    assert not design.shewhart and "shewhart_share" not in account
+    assert all(t.layer.shewhart is None for t in detector.thresholds.values())
+    assert detector.misfit is not None
+    assert detector.misfit.warning_probability == account["warning_per_test_check_probability"]
+
+
+def test_shewhart_with_the_shipped_calibration_sets_limits():
+    config = MechmonConfig(enabled=True, interval=20, delta=100, detector_shewhart=True)
+    design, table = load_detector_design(config)
+    detector, account = build_detector(config, SHAPE, design, table)
+    assert design.shewhart and account["shewhart_share"] == 0.5
+    assert all(t.layer.shewhart is not None and t.family.shewhart is not None for t in detector.thresholds.values())
+
+
+def test_calibration_without_shewhart_section_is_refused_naming_the_flag(tmp_path):
+    old = load_tail_table().to_dict()
+    del old["shewhart"]
+    path = tmp_path / "old_tails.json"
+    path.write_text(json.dumps(old))
+    load_detector_design(MechmonConfig(enabled=True, interval=20, delta=100, detector_calibration=str(path)))
+    with pytest.raises(ValueError, match="--mechmon-detector-shewhart.*tools/calibrate_detector.py"):
+        load_detector_design(
+            MechmonConfig(enabled=True, interval=20, delta=100, detector_calibration=str(path), detector_shewhart=True)
+        )
+
+
+def test_alert_of_a_shewhart_alarm():
+    config = MechmonConfig(enabled=True, interval=20, delta=100, detector_shewhart=True)
+    design, _ = load_detector_design(config)
+    alarm = PooledAlarm(step=2060, family="attn_delta2", level="layer", kind="shewhart", layers=(3,),
+                        members=("head_1",), statistic=7.5, threshold=7.0, change_step=2040)
+    alert = alert_of(alarm, config, design)
+    assert alert.kind == "shewhart" and alert.stream == "mechmon/detect/attn_delta2/residual/layer_3"
+    assert alert.first_warning_step == 2040 + 20 - 100 and "Shewhart limit" in alert.reason and alert.head == 1
