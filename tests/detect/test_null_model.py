@@ -94,3 +94,23 @@ def test_table_round_trip_and_shipped_table_loads():
     assert {1, 5} <= set(shipped.tails)
     for overlap in shipped.tails.values():
         assert set(overlap) == {"attn_delta2", "attn_dw", "router_entropy", "router_weights"}
+
+
+def test_the_shewhart_section_gets_the_same_checks_as_the_tails():
+    import copy
+    import json
+    import os
+
+    import mechmon_megatron.detect as detect
+    from mechmon_megatron.detect.null_model import TailTable
+
+    with open(os.path.join(os.path.dirname(detect.__file__), "null_tails.json")) as f:
+        shipped = json.load(f)
+    assert TailTable.from_dict(shipped).shewhart  # the shipped table has the section, and it passes
+    bad = copy.deepcopy(shipped)
+    bad["shewhart"]["5"]["attn_delta2"]["layer"]["theta"] = 0
+    with pytest.raises(ValueError, match=r"shewhart\['5'\]\['attn_delta2'\]\['layer'\]"):
+        TailTable.from_dict(bad)
+    with pytest.raises(ValueError, match='"shewhart" must be an object'):
+        TailTable.from_dict({**shipped, "shewhart": [1, 2]})
+    assert not TailTable.from_dict({"tails": shipped["tails"]}).shewhart  # an old file without it loads
