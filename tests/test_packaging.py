@@ -36,8 +36,8 @@ BUILD_INPUTS = ("setup.py", "pyproject.toml", "README.md", "mechmon_megatron", "
                 "examples/pretrain_scripts/setup.py", "examples/pretrain_scripts/gpt_trainer")
 """Everything setup.py and examples/pretrain_scripts/setup.py read."""
 PRODUCT_SUBPACKAGES = ("monitors", "detect", "session", "adapters/megatron_core", "adapters/megatron_lm",
-                       "adapters/deepspeed", "cli", "plan", "scan", "scan/readers")
-CONSOLE_SCRIPTS = ("mechmon-patch", "mechmon-run", "mechmon-plan", "mechmon-scan")
+                       "adapters/deepspeed", "cli", "plan", "scan", "scan/readers", "supervise")
+CONSOLE_SCRIPTS = ("mechmon-patch", "mechmon-run", "mechmon-plan", "mechmon-scan", "mechmon-supervise")
 
 
 def _copy_build_inputs(dest: Path) -> Path:
@@ -106,7 +106,8 @@ def test_product_wheel_lists_the_product_and_nothing_else(wheels):
         assert f"mechmon_megatron/{sub}/__init__.py" in shipped, sub
 
     other = {n for n in names if n.startswith("mechmon_megatron/") and not n.endswith(".py")}
-    assert other == {"mechmon_megatron/detect/null_tails.json"}
+    # the shipped null tails and the supervisor's default policy: the product's only data files
+    assert other == {"mechmon_megatron/detect/null_tails.json", "mechmon_megatron/supervise/default_policy.json"}
     patches = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "patches" / "megatron-lm").glob("*/*.patch"))
     assert patches and sorted(n.split("/share/mechmon-megatron/", 1)[1] for n in names
                               if n.startswith(data)) == patches
