@@ -109,21 +109,15 @@ def alert_of(alarm: PooledAlarm, config: MechmonConfig, design: SequentialConfig
     """
     heads = [h for h in (_head_index(m) for m in alarm.members) if h is not None]
     layer = alarm.layers[0] if alarm.layers else None
-    if alarm.kind == "shewhart":
-        suffix = f"/layer_{layer}" if alarm.level == "layer" else ""
-        stream = f"mechmon/detect/{alarm.family}/residual{suffix}"
+    if alarm.kind in ("shewhart", "cusum"):
+        statistic = "residual" if alarm.kind == "shewhart" else "cusum"
+        stream = f"mechmon/detect/{alarm.family}/{statistic}" + (f"/layer_{layer}" if alarm.level == "layer" else "")
         start = alarm.change_step if alarm.change_step is not None else alarm.step - config.interval
         first = max(0, start + config.interval - config.delta)
+        test = (f"pooled residual {alarm.statistic:.3g} > Shewhart limit {alarm.threshold:.3g}"
+                if alarm.kind == "shewhart" else f"CUSUM {alarm.statistic:.3g} > {alarm.threshold:.3g}")
         reason = (
-            f"{alarm.family} shifted towards collapse: pooled residual {alarm.statistic:.3g} > Shewhart limit "
-            f"{alarm.threshold:.3g} ({alarm.level} test; set by --mechmon-false-alarm-rate {config.false_alarm_rate:g})"
-        )
-    elif alarm.kind == "cusum":
-        stream = f"mechmon/detect/{alarm.family}/cusum" + (f"/layer_{layer}" if alarm.level == "layer" else "")
-        start = alarm.change_step if alarm.change_step is not None else alarm.step - config.interval
-        first = max(0, start + config.interval - config.delta)
-        reason = (
-            f"{alarm.family} shifted towards collapse: CUSUM {alarm.statistic:.3g} > {alarm.threshold:.3g} "
+            f"{alarm.family} shifted towards collapse: {test} "
             f"({alarm.level} test; set by --mechmon-false-alarm-rate {config.false_alarm_rate:g})"
         )
     elif alarm.kind == "limit":
