@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checko
 def reproducibility_line(capability: str) -> str:
     """Everything the numbers depend on (docs/RESULTS.md, "Reproducibility"): the corpus bytes (the
     standard library of this Python), torch and its MKL, the pinned CPU settings, and the ATen
-    kernels the runs actually used."""
+    kernels a process started under the pin gets (the runs are started the same way)."""
     import platform
     import re
 
@@ -63,8 +63,8 @@ def main(argv=None) -> int:
     iters = args.train_iters or preset.train_iters
     print(f"mechmon demo: scenarios {', '.join(preset.scenarios)}, seed {preset.seeds[0]}, {iters} steps each, "
           f"{args.jobs} runs in parallel (about 10 minutes on 2 CPU cores)", flush=True)
-    capability, warnings = kernel_warnings()
-    for line in warnings:
+    capability, kernel_lines = kernel_warnings()
+    for line in kernel_lines:
         print(line, flush=True)
     start = time.monotonic()
     results = run_study(
