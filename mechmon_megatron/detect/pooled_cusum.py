@@ -346,33 +346,20 @@ class PooledCusumDetector:
             upcrossings += before <= levels.layer.warning < cusum.value
             result.statistics[f"{family}/residual/layer_{layer}"] = u
             result.statistics[f"{family}/cusum/layer_{layer}"] = cusum.value
-            if cusum.value > levels.layer.alarm:
+            cusum_fires = cusum.value > levels.layer.alarm
+            if cusum_fires or self._shewhart_fires(u, levels.layer):
+                # The CUSUM wins a tie: its last zero is the better change-point estimate.
                 result.alarms.append(
                     PooledAlarm(
                         step=step,
                         family=family,
                         level="layer",
-                        kind="cusum",
+                        kind="cusum" if cusum_fires else "shewhart",
                         layers=(layer,),
                         members=self._carriers(residuals[layer]),
-                        statistic=cusum.value,
-                        threshold=levels.layer.alarm,
-                        change_step=cusum.last_zero_step,
-                    )
-                )
-                restart_layers.add(layer)
-            elif self._shewhart_fires(u, levels.layer):
-                result.alarms.append(
-                    PooledAlarm(
-                        step=step,
-                        family=family,
-                        level="layer",
-                        kind="shewhart",
-                        layers=(layer,),
-                        members=self._carriers(residuals[layer]),
-                        statistic=u,
-                        threshold=float(levels.layer.shewhart or 0.0),
-                        change_step=self._last_step,
+                        statistic=cusum.value if cusum_fires else u,
+                        threshold=levels.layer.alarm if cusum_fires else float(levels.layer.shewhart or 0.0),
+                        change_step=cusum.last_zero_step if cusum_fires else self._last_step,
                     )
                 )
                 restart_layers.add(layer)
