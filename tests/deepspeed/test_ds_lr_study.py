@@ -6,11 +6,14 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.megatron_core._torchrun import REPO_ROOT
 
 TOOL = REPO_ROOT / "tools" / "deepspeed_lr_study.py"
 
 
+@pytest.mark.slow  # fast leg budget (tests/README.md): runs in `make test-slow` and in CI
 def test_lr_study_trains_analyses_and_replays_the_online_alarms(tmp_path):
     out = tmp_path / "study"
     small = "--num-layers 2 --hidden-size 64 --seq-length 32 --corpus-max-bytes 100000 --log-interval 1000"

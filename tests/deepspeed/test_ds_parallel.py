@@ -40,8 +40,9 @@ def test_reference_has_every_family(reference):
 @pytest.mark.parametrize(
     "label,flags",
     [
-        ("zero0", ["--zero-stage", "0"]),
-        ("zero1", ["--zero-stage", "1"]),
+        # zero0 and zero1 are slow (fast leg budget): zero2 and ep2_zero2 run in the fast leg.
+        pytest.param("zero0", ["--zero-stage", "0"], marks=pytest.mark.slow),
+        pytest.param("zero1", ["--zero-stage", "1"], marks=pytest.mark.slow),
         ("zero2", ["--zero-stage", "2"]),
         ("ep2_zero2", ["--zero-stage", "2", "--ep-size", "2"]),
     ],

@@ -74,6 +74,7 @@ def tp2_sp(runs_dir) -> list[dict]:
     return train(runs_dir, "tp2_sp", TP2_SP)
 
 
+@pytest.mark.slow  # fast leg budget (tests/README.md): runs in `make test-slow` and in CI
 def test_single_process_loss_decreases(dense_single, runs_dir):
     assert [row["iteration"] for row in dense_single] == list(range(1, 11))
     first, last = dense_single[0]["lm_loss"], dense_single[-1]["lm_loss"]
@@ -84,11 +85,13 @@ def test_single_process_loss_decreases(dense_single, runs_dir):
     assert any((runs_dir / "tb_single").glob("events.out.tfevents.*"))
 
 
+@pytest.mark.slow  # fast leg budget (tests/README.md): runs in `make test-slow` and in CI
 def test_tp2_sequence_parallel_matches_single(dense_single, tp2_sp):
     assert len(tp2_sp) == ITERS
     assert_close(tp2_sp[0]["lm_loss"], dense_single[0]["lm_loss"], 1e-4)
 
 
+@pytest.mark.slow  # fast leg budget (tests/README.md): runs in `make test-slow` and in CI
 @pytest.mark.parametrize("name,extra", [
     ("pp2", ["--pipeline-model-parallel-size", "2"]),
     ("dp2", []),
@@ -99,12 +102,14 @@ def test_pp2_dp2_match_single(dense_single, runs_dir, name, extra):
     assert_close(rows[0]["lm_loss"], dense_single[0]["lm_loss"], 1e-4)
 
 
+@pytest.mark.slow  # fast leg budget (tests/README.md): runs in `make test-slow` and in CI
 def test_ep2_moe_matches_single(moe_single, runs_dir):
     rows = train(runs_dir, "ep2", [*MOE, "--expert-model-parallel-size", "2"])
     assert len(rows) == ITERS
     assert_close(rows[0]["lm_loss"], moe_single[0]["lm_loss"], 1e-4)
 
 
+@pytest.mark.slow  # fast leg budget (tests/README.md): runs in `make test-slow` and in CI
 def test_resume_matches_uninterrupted(tp2_sp, runs_dir):
     ckpt = runs_dir / "ckpt_tp2"
     saved = train(runs_dir, "tp2_save", [*TP2_SP, "--save", ckpt, "--exit-interval", "2"])
@@ -163,6 +168,7 @@ CALLBACK_SCRIPT = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow  # fast leg budget (tests/README.md): runs in `make test-slow` and in CI
 def test_callbacks_exit_request_saves_and_exits(runs_dir):
     script = runs_dir / "callback_trainer.py"
     script.write_text(CALLBACK_SCRIPT.format(

@@ -74,7 +74,10 @@ def test_failure_in_every_phase_is_counted_and_training_goes_on(tmp_path: Path):
     assert "mechmon/attn/delta2_entropy/layer_1" in acc.Tags()["scalars"]
 
 
-@pytest.mark.parametrize("inject,kind", [("read@10", "oom"), ("router@10", "error"), ("decision@10", "error")])
+# Two of the three strict cases are slow (fast leg budget); decision@10 runs in the fast leg.
+@pytest.mark.parametrize("inject,kind", [pytest.param("read@10", "oom", marks=pytest.mark.slow),
+                                         pytest.param("router@10", "error", marks=pytest.mark.slow),
+                                         ("decision@10", "error")])
 def test_strict_failure_stops_every_rank_with_the_same_error(tmp_path: Path, inject: str, kind: str):
     results, (rank0, rank1) = _launch(tmp_path, inject, ["--mechmon-strict"], kind=kind, iters=30)
     phase = inject.split("@")[0]

@@ -23,6 +23,7 @@ MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
 MECHMON = ["--mechmon", "--mechmon-interval", "5", "--mechmon-delta", "5", "--mechmon-exit-code", "42"]
 
 
+@pytest.mark.slow  # fast leg budget (tests/README.md): runs in `make test-slow` and in CI
 def test_drill_checkpoint_abort_then_resume(tmp_path: Path):
     save, tb = tmp_path / "ckpt", tmp_path / "tb"
     common = [*MODEL, *MECHMON, "--save", save, "--save-interval", "10", "--tensorboard-dir", tb]

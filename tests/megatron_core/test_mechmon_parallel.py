@@ -64,7 +64,9 @@ def references(runs) -> dict[str, dict[str, float]]:
     return {groups: run_layout(runs / f"g{groups}", "single", [], groups) for groups in ("2", "1")}
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+# tp2_sp_groups_lt_tp is slow (fast leg budget): tp2_sp_groups_ge_tp covers TP + SP in the fast leg.
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=[pytest.mark.slow] if name.endswith("_lt_tp") else [])
+                                    for name in sorted(LAYOUTS)])
 def test_layout_matches_single_process(layout, runs, references):
     extra = list(LAYOUTS[layout])
     groups = "2"

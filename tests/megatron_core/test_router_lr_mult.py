@@ -67,6 +67,7 @@ def test_router_lr_mult_scales_only_the_router_group(tmp_path):
             assert router[0]["lr"] == pytest.approx(10 * g["lr"], rel=1e-12)
 
 
+@pytest.mark.slow  # fast leg budget (tests/README.md): runs in `make test-slow` and in CI
 def test_router_lr_mult_must_be_positive(tmp_path):
     script = tmp_path / "trainer.py"
     script.write_text(SCRIPT.format(trainer_dir=str(REPO_ROOT / "examples" / "pretrain_scripts")))

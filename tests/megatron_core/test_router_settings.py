@@ -284,6 +284,7 @@ def test_trainer_without_the_router_flags_builds_todays_config():
             flagged.moe_shared_expert_intermediate_size) == ("sigmoid", True, 4, 2, 1.0, 32)
 
 
+@pytest.mark.slow  # fast leg budget (tests/README.md): runs in `make test-slow` and in CI
 def test_trainer_with_a_deepseek_like_router_end_to_end(tmp_path):
     import json
 

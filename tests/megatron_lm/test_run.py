@@ -35,7 +35,8 @@ def launch(command, checkout, *args, timeout=300):
                           text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("release", ["core_v0.16", "core_v0.19"])
+# core_v0.16 is slow (fast leg budget): core_v0.19 runs in the fast leg.
+@pytest.mark.parametrize("release", [pytest.param("core_v0.16", marks=pytest.mark.slow), "core_v0.19"])
 def test_unmodified_script_runs_with_the_hooks_and_the_flags(tmp_path, release):
     checkout = make_checkout(tmp_path, release, runnable=True)
     original = open(os.path.join(checkout, "pretrain_gpt.py"), "rb").read()
@@ -50,6 +51,7 @@ def test_unmodified_script_runs_with_the_hooks_and_the_flags(tmp_path, release):
     assert open(os.path.join(checkout, "pretrain_gpt.py"), "rb").read() == original  # never modified
 
 
+@pytest.mark.slow  # fast leg budget (tests/README.md): runs in `make test-slow` and in CI
 def test_the_scripts_own_provider_still_works(tmp_path):
     """core_v0.16 structure: ModelOpt's provider (present in the fake tree) is chained with ours."""
     checkout = make_checkout(tmp_path, "core_v0.16", runnable=True)
@@ -58,6 +60,7 @@ def test_the_scripts_own_provider_still_works(tmp_path):
     assert "MEGATRON 2 5" in proc.stdout and "MECHMON True" in proc.stdout
 
 
+@pytest.mark.slow  # fast leg budget (tests/README.md): runs in `make test-slow` and in CI
 def test_without_mechmon_flag_the_run_is_plain(tmp_path):
     checkout = make_checkout(tmp_path, "core_v0.18", runnable=True)
     proc = launch(RUN, checkout, "--train-iters", "1")
@@ -65,7 +68,8 @@ def test_without_mechmon_flag_the_run_is_plain(tmp_path):
     assert "MECHMON False" in proc.stdout and "HOOKED True" in proc.stdout
 
 
-@pytest.mark.parametrize("release", ["core_v0.16", "core_v0.19"])
+# core_v0.16 is slow (fast leg budget): core_v0.19 runs in the fast leg.
+@pytest.mark.parametrize("release", [pytest.param("core_v0.16", marks=pytest.mark.slow), "core_v0.19"])
 def test_bad_flag_is_refused_at_parse_time_with_status_2(tmp_path, release):
     checkout = make_checkout(tmp_path, release, runnable=True)
     proc = launch(RUN, checkout, "--train-iters", "3", "--mechmon", "--mechmon-action", "explode")
@@ -75,6 +79,7 @@ def test_bad_flag_is_refused_at_parse_time_with_status_2(tmp_path, release):
     assert "INIT_DISTRIBUTED" not in proc.stdout and "BUILD_MODEL" not in proc.stdout  # no process group, no model
 
 
+@pytest.mark.slow  # fast leg budget (tests/README.md): runs in `make test-slow` and in CI
 def test_unknown_mechmon_flag_is_refused_by_the_parser(tmp_path):
     checkout = make_checkout(tmp_path, "core_v0.19", runnable=True)
     proc = launch(RUN, checkout, "--mechmon-intervall", "3")
@@ -82,6 +87,7 @@ def test_unknown_mechmon_flag_is_refused_by_the_parser(tmp_path):
     assert "INIT_DISTRIBUTED" not in proc.stdout
 
 
+@pytest.mark.slow  # fast leg budget (tests/README.md): runs in `make test-slow` and in CI
 def test_patched_script_gets_the_flags_once(tmp_path):
     checkout = make_checkout(tmp_path, "core_v0.19", runnable=True)
     from release_fixtures import RELEASES, write_package_info
@@ -94,6 +100,7 @@ def test_patched_script_gets_the_flags_once(tmp_path):
     assert "MECHMON True 4" in proc.stdout and "HOOKED True" in proc.stdout
 
 
+@pytest.mark.slow  # fast leg budget (tests/README.md): runs in `make test-slow` and in CI
 @pytest.mark.parametrize("release", ["core_v0.16", "core_v0.19"])
 def test_patched_script_alone_also_validates_at_parse_time(tmp_path, release):
     """The patch path (``python pretrain_gpt.py``): the script's install() wraps the parsing too."""
@@ -111,6 +118,7 @@ def test_patched_script_alone_also_validates_at_parse_time(tmp_path, release):
     assert "INIT_DISTRIBUTED" not in bad.stdout
 
 
+@pytest.mark.slow  # fast leg budget (tests/README.md): runs in `make test-slow` and in CI
 def test_cpu_launcher_runs_an_unmodified_script_through_mechmon_run(tmp_path):
     """The CPU layer is applied at the first parsing call: after the script's imports, before
     initialize_megatron (which then gets allow_no_cuda=True)."""

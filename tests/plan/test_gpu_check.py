@@ -76,6 +76,7 @@ def test_gpu_check_script_on_cpu_writes_one_json(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "gpu_check.log"]
 
 
+@pytest.mark.slow  # fast leg budget (tests/README.md): runs in `make test-slow` and in CI
 def test_ab_script_runs_tiny_on_cpu(tmp_path):
     pytest.importorskip("megatron.core")
     out = tmp_path / "ab.json"

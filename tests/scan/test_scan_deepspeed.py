@@ -23,6 +23,7 @@ def _csv_name(tag: str) -> str:
     return tag.replace("/", "_")  # DeepSpeed's csv_monitor file names
 
 
+@pytest.mark.slow  # fast leg budget (tests/README.md): runs in `make test-slow` and in CI
 def test_deepspeed_series_matches_the_online_session(tmp_path):
     save, monitor = tmp_path / "ds_ckpt", tmp_path / "monitor"
     run_example(["--train-iters", ITERS, "--save", save, "--save-interval", SAVE, "--monitor-dir", monitor,

@@ -33,7 +33,9 @@ def reference(healthy, tmp_path_factory):
     return S.cached_values(out)
 
 
-@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+# pp2 is slow (fast leg budget): tp2 runs in the fast leg.
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=[pytest.mark.slow] if name == "pp2" else [])
+                                        for name in sorted(LAYOUTS)])
 def resaved(request, runs, healthy):
     return request.param, S.resave(runs, healthy, ITERATIONS, LAYOUTS[request.param], request.param)
 

@@ -33,6 +33,7 @@ def _losses(path):
     return {r["iteration"]: r["lm_loss"] for r in read_jsonl(path)}
 
 
+@pytest.mark.slow  # fast leg budget (tests/README.md): runs in `make test-slow` and in CI
 @pytest.mark.distributed
 def test_interrupted_resumed_and_forked_runs_match_the_uninterrupted_one(tmp_path):
     out = str(tmp_path)
@@ -111,6 +112,7 @@ def test_plan_forks_at_onset_minus_delta_and_has_the_required_runs():
     )
 
 
+@pytest.mark.slow  # fast leg budget (tests/README.md): runs in `make test-slow` and in CI
 def test_a_fork_whose_parent_fails_fails_instead_of_waiting(tmp_path):
     parent = _run("parent", 30, extra=("--hidden-size", "63"))  # 63 is not divisible by 4 heads: fails at start
     fork = _run("fork", 30, kind="fault", parent="parent", fork_at=10, fault_onset=20)

@@ -27,6 +27,7 @@ def _trainer_help() -> str:
     return proc.stdout
 
 
+@pytest.mark.slow  # fast leg budget (tests/README.md): runs in `make test-slow` and in CI
 def test_tiny_study_through_the_example_trainer(tmp_path):
     help_text = _trainer_help()
     missing = [f for f in _NEEDED_FLAGS if f not in help_text]

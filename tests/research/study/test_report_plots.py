@@ -3,6 +3,8 @@
 import json
 import os
 
+import pytest
+
 from mechmon_megatron.research.study import analysis as A
 from mechmon_megatron.research.study import plots, report
 from mechmon_megatron.research.study.study import PLAN_FILE, analyze_study
@@ -94,6 +96,7 @@ def test_plot_run_writes_a_png(tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # fast leg budget (tests/README.md): runs in `make test-slow` and in CI
 def test_plots_in_the_study(tmp_path):
     out = _study(tmp_path)
     results = analyze_study(out, plots_enabled=True)
