@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 
 from mechmon_megatron.monitors.router import summarize_routing
+from mechmon_megatron.session import collective_guard
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +158,9 @@ class Communicator(Protocol):
     def broadcast_from_writer(self, obj: Any) -> Any:
         """Return the writer's picklable ``obj`` on every rank (the decision of a check)."""
 
+    def first_problem(self, problem: Optional[str]) -> Optional[tuple[int, str]]:
+        """Start-up: ``(rank, its problem)`` of the lowest rank that has one, on every rank (None: none)."""
+
 
 class LocalCommunicator:
     """Single process: this rank is the writer."""
@@ -170,22 +174,23 @@ class LocalCommunicator:
     def broadcast_from_writer(self, obj: Any) -> Any:
         return obj
 
+    def first_problem(self, problem: Optional[str]) -> Optional[tuple[int, str]]:
+        return None if problem is None else (0, problem)
+
 
 class TorchDistributedCommunicator:
     """torch.distributed over a process group (default: WORLD); writer = a given global rank.
 
     Megatron-LM's TensorBoard writer lives on the last rank, hence the default ``writer_rank=-1``.
+    Every collective runs through this process's :class:`~mechmon_megatron.session.collective_guard.CollectiveGuard`
+    (mechmon's own copy of ``group``, bounded by ``--mechmon-collective-timeout``).
     """
 
     def __init__(self, group: Any = None, writer_rank: int = -1, device: Optional[torch.device] = None) -> None:
         import torch.distributed as dist
 
-        self._dist = dist
-        # NCCL collectives need a CUDA tensor; gloo a CPU one.
-        if device is None:
-            backend = dist.get_backend(group)
-            device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        self._device = device
+        self.guard = collective_guard.guard()
+        self.guard.declare(group)
         self._group = group
         world = dist.get_world_size(group)
         self.writer_rank = writer_rank % world
@@ -194,17 +199,27 @@ class TorchDistributedCommunicator:
         self.is_writer = self.rank == self.writer_rank
         self._world = world
 
-    def _global_writer(self) -> int:
-        if self._group is None:
-            return self.writer_rank
-        return self._dist.get_global_rank(self._group, self.writer_rank)
-
     def gather_to_writer(self, obj: Any) -> Optional[list]:
-        out = [None] * self._world if self.is_writer else None
-        self._dist.gather_object(obj, out, dst=self._global_writer(), group=self._group)
-        return out
+        return self.guard.gather_objects(obj, self.writer_rank, self._group, "the check's records to the writer")
 
     def broadcast_from_writer(self, obj: Any) -> Any:
-        box = [obj if self.is_writer else None]
-        self._dist.broadcast_object_list(box, src=self._global_writer(), group=self._group, device=self._device)
-        return box[0]
+        return self.guard.broadcast_object(obj if self.is_writer else None, self.writer_rank, self._group,
+                                           "the writer's decision")
+
+    def first_problem(self, problem: Optional[str]) -> Optional[tuple[int, str]]:
+        """One int64 all-reduce (MIN of the ranks with a problem); the lowest such rank then
+        broadcasts its message, so every rank raises the same one."""
+        flag = torch.tensor([self.rank if problem is not None else self._world], dtype=torch.int64,
+                            device=collective_guard.group_device(self._group))
+        self.guard.all_reduce(flag, self._group, "the start-up agreement", op=_min_op())
+        first = int(flag.item())
+        if first >= self._world:
+            return None
+        message = self.guard.broadcast_object(problem, first, self._group, "the start-up refusal")
+        return first, str(message)
+
+
+def _min_op() -> Any:
+    import torch.distributed as dist
+
+    return dist.ReduceOp.MIN

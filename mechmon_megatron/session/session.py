@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 import torch
 
 from mechmon_megatron.detect.pooled_cusum import PooledCusumDetector
-from mechmon_megatron.session import names
+from mechmon_megatron.session import collective_guard, names
 from mechmon_megatron.session.alert import Alert, AlertReport
 from mechmon_megatron.session.attention_check import check_full, check_heads
 from mechmon_megatron.session.config import MechmonConfig
@@ -53,6 +53,7 @@ from mechmon_megatron.session.snapshots import (
     SnapshotStore,
     describe_budget,
     resolve_placement,
+    site_bytes,
     snapshot_bytes,
     weights_device,
 )
@@ -106,6 +107,13 @@ class MonitoringSession:
         self._router_floors = [config.router_entropy_floor(s.num_experts, s.topk) for s in self.router_sites]
         self.comm = comm or LocalCommunicator()
         self.rank = int(getattr(self.comm, "global_rank", getattr(self.comm, "rank", 0)))
+        self.guard = getattr(self.comm, "guard", None) or collective_guard.guard()
+        self.guard.configure(config.collective_timeout)
+        self.guard.create_declared()  # every rank: mechmon's own copies of the groups the sites use
+        self.off: Optional[str] = None
+        """Why the monitors are off on every rank (a monitor collective failed somewhere); None: on."""
+        self.last_check_comm: Optional[dict] = None
+        """Bytes and seconds of the last check's monitor collectives on this rank (``CommCounter.take``)."""
         self.writer = writer or WriterGroup()
         for router in self.router_sites:
             router.num_bins = config.router_entropy_bins
@@ -123,7 +131,7 @@ class MonitoringSession:
         self.alerts: list[Alert] = []
         budget = snapshot_bytes(config, self.attention_sites)
         device = weights_device(self.attention_sites)
-        self.snapshots = SnapshotStore(resolve_placement(config, budget, device))
+        self.snapshots = SnapshotStore(self._agreed_placement(config, budget, device))
         if self.attention_sites:
             # Many sets at once (delta >> interval) is a memory cost the user should see, not only read.
             level = logging.WARNING if config.overlap > QUIET_SNAPSHOT_SETS else logging.INFO
@@ -136,6 +144,25 @@ class MonitoringSession:
         if config.enabled and config.alert_webhook and self.comm.is_writer:
             self._webhook = WebhookPoster(config.alert_webhook)
 
+    def _agreed_placement(self, config: MechmonConfig, budget: Optional[int], device: torch.device) -> str:
+        """This rank's snapshot placement, after every rank agreed that all can start (one all-reduce).
+
+        A rank whose snapshots cannot fit (or whose start-up raised) makes every rank raise the
+        same ``ValueError``, naming that rank, the layer and the flag, instead of stopping alone.
+        """
+        placement = "device"
+        problem: Optional[str] = None
+        try:
+            placement = resolve_placement(config, budget, device, layers=site_bytes(config, self.attention_sites))
+        except Exception as exc:  # noqa: BLE001 -- agreed below, raised on every rank
+            problem = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+        first = self.comm.first_problem(problem) if hasattr(self.comm, "first_problem") else (
+            None if problem is None else (self.rank, problem))
+        if first is not None:
+            rank, message = first
+            raise ValueError(f"mechmon cannot start on every rank: rank {rank}: {message} (every rank stops)")
+        return placement
+
     @property
     def errors(self) -> int:
         """Monitor failures caught on this rank so far (the writer sums them in ``mechmon/errors``)."""
@@ -144,12 +171,16 @@ class MonitoringSession:
     # ------------------------------------------------------------------ host hooks
     def on_train_start(self, iteration: int) -> None:
         """Take the first snapshot if the schedule needs one at the starting iteration."""
-        if self.enabled and self.config.is_snapshot_step(iteration):
+        if self.enabled and self.off is None and self.config.is_snapshot_step(iteration):
             self._timed(self._take_snapshot, iteration)
+            off = self._agree_collectives(iteration)
+            if off is not None and off.stop is not None:
+                raise MechmonStrictError(off.stop)
 
     def on_step_start(self, iteration: int) -> bool:
         """Arm router-logit capture for a check step; returns whether capture is on."""
-        if not self.enabled:
+        if not self.enabled or self.off is not None:
+            self.capturing = False
             return False
         self.capturing = bool(self.router_sites) and self.config.is_check_step(iteration)
         if self.capturing:
@@ -164,7 +195,8 @@ class MonitoringSession:
 
     def on_step_end(self, iteration: int) -> Decision:
         """Run the check / snapshot due at ``iteration`` and return the agreed decision."""
-        if not self.enabled:
+        if not self.enabled or self.off is not None:
+            self.capturing = False
             return Decision(iteration)
         self._step_start = time.perf_counter()
         decision = Decision(iteration)
@@ -179,6 +211,10 @@ class MonitoringSession:
         self.capturing = False
         if self.config.is_snapshot_step(iteration):
             self._take_snapshot(iteration)
+        if self.config.is_check_step(iteration) or self.config.is_snapshot_step(iteration):
+            off = self._agree_collectives(iteration)
+            if off is not None:
+                decision = off
         self._overhead_s += time.perf_counter() - self._step_start
         if decision.stop is not None:
             if not (decision.alarm and self.config.action == "checkpoint-and-abort"):
@@ -190,6 +226,39 @@ class MonitoringSession:
             decision.exit_code = self.config.exit_code
             self._pending_abort = decision
         return decision
+
+    def _agree_collectives(self, iteration: int) -> Optional[Decision]:
+        """End of a step with monitor collectives: every rank learns whether all of them are still
+        on (``CollectiveGuard.agree_up``). When not, the monitors turn off on every rank at this
+        step -- or, under ``--mechmon-strict``, the returned decision stops every rank."""
+        if self.guard.agree_up():
+            return None
+        timeout = self.guard.timeout_s
+        cause = self.guard.down or "a peer rank's monitor collective failed or timed out"
+        self.off = cause
+        self.capturing = False
+        self.snapshots = SnapshotStore(self.snapshots.placement)  # nothing is compared across the gap
+        if self.config.strict:
+            stop = (f"mechmon monitor failed and --mechmon-strict is set; every rank stops: a monitor collective "
+                    f"failed or timed out at iteration {iteration} (--mechmon-collective-timeout {timeout:g} s); "
+                    f"on rank {self.rank}: {cause}")
+            return Decision(iteration, stop=stop)
+        logger.error(
+            "[mechmon] a monitor collective failed or timed out at iteration %d (--mechmon-collective-timeout %g s): "
+            "the monitors are off on every rank from now on (on rank %d: %s). Training goes on, NOT watched "
+            "(mechmon/active = 0); training's own communicators were not used; --mechmon-strict stops the job "
+            "instead", iteration, timeout, self.rank, cause)
+        if self.comm.is_writer:  # TensorBoard must say so too: no check will write again
+            self.failures.run("write", None, iteration, self._write,
+                              {names.ACTIVE: 0.0, names.ERRORS: float(self.failures.errors)}, iteration)
+        return None
+
+    def run_host_collective(self, phase: str, iteration: int, fn, what: str) -> object:
+        """A collective the host issues for the monitors (``CollectiveGuard.host_collective``), inside
+        the failure log: returns ``fn()``'s value or ``FAILED``. Runs on every rank by the schedule."""
+        if not self.enabled:
+            return fn()
+        return self.failures.run(phase, None, iteration, self.guard.host_collective, fn, what)
 
     def on_checkpoint_saved(self, iteration: int, path: Optional[str]) -> None:
         """Record a regular checkpoint (for the 'last good checkpoint' in the alert)."""
@@ -289,6 +358,7 @@ class MonitoringSession:
         cfg = self.config
         log = self.failures
         outputs: list[CheckOutput] = []
+        self.guard.counter.take()  # this check's collectives from here on
         snapshot = self.snapshots.pop(iteration)
         # No snapshot (e.g. the first check after a resume) is the same on every rank, since all
         # ranks follow one schedule; the reads below are collectives, so all skip them together.
@@ -311,13 +381,19 @@ class MonitoringSession:
         for router, floor in zip(self.router_sites, self._router_floors):
             outputs.append(self._router_check(iteration, router, floor))
         outputs = [o for o in outputs if o is not None and o is not FAILED]
-        gathered = self.comm.gather_to_writer(self._payload(iteration, outputs))
-
         verdict: dict = {"alarm": False, "alerts": [], "stop": None}
-        if self.comm.is_writer:
-            assert gathered is not None  # the writer receives every rank's payload
-            verdict = self._verdict(iteration, gathered, drill)
-        verdict = self.comm.broadcast_from_writer(verdict)  # the one decision, on every rank
+        try:
+            gathered = self.comm.gather_to_writer(self._payload(iteration, outputs))
+            if self.comm.is_writer:
+                assert gathered is not None  # the writer receives every rank's payload
+                verdict = self._verdict(iteration, gathered, drill)
+            verdict = self.comm.broadcast_from_writer(verdict)  # the one decision, on every rank
+        except (collective_guard.CollectiveFailure, collective_guard.CollectivesOff) as exc:
+            # This rank is down: the end-of-step agreement turns the monitors off on every rank.
+            if isinstance(exc, collective_guard.CollectiveFailure):
+                log.record("decision", None, iteration, exc)
+            verdict = {"alarm": False, "alerts": [], "stop": None}
+        self.last_check_comm = {"iteration": int(iteration), **self.guard.counter.take()}
         self._overhead_s = 0.0
         self._step_start = time.perf_counter()  # what follows is counted towards the next check
         alerts = list(verdict["alerts"])
@@ -342,7 +418,9 @@ class MonitoringSession:
         marked = log.run("router", layer, iteration, _with_failure_mark, local, failed)
         if marked is FAILED:  # never skip the all-reduce: the peers are already on their way to it
             marked = _with_failure_mark(empty_vector(router, cfg.router_entropy_bins), True)
-        total = router.reduce_sum(marked)
+        total = log.run("router", layer, iteration, router.reduce_sum, marked)
+        if total is FAILED:  # the collective itself failed (this rank is down) or a peer's part did
+            return None
         if float(total[-1]) > 0:
             if not failed:
                 logger.warning("[mechmon] router layer %d: a peer rank's summary failed at iteration %d; not reported "
