@@ -101,13 +101,35 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+@dataclass(frozen=True)
+class Members:
+    """A group of mechmon's own that no host group mirrors (e.g. the ranks that report at a check):
+    its global ranks, sorted; made by :meth:`CollectiveGuard.create_declared`."""
+
+    ranks: tuple[int, ...]
+
+
 def group_size(group: Any) -> int:
-    """Ranks in ``group`` (1 without torch.distributed)."""
+    """Ranks in ``group`` (a host group, None for the whole job, or :class:`Members`; 1 without
+    torch.distributed)."""
+    if isinstance(group, Members):
+        return len(group.ranks)
     return dist.get_world_size(group) if _distributed() else 1
+
+
+def group_rank(group: Any) -> int:
+    """This rank's index in ``group`` (0 without torch.distributed)."""
+    if not _distributed():
+        return 0
+    if isinstance(group, Members):
+        return group.ranks.index(dist.get_rank())
+    return dist.get_rank(group)
 
 
 def group_device(group: Any) -> torch.device:
     """Where a collective's tensors must live for ``group``: the rank's CUDA device under NCCL."""
+    if isinstance(group, Members):
+        group = None
     if _distributed() and "nccl" in str(dist.get_backend(group)):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -131,6 +153,8 @@ class CollectiveGuard:
         self._groups: dict[tuple[int, ...], Any] = {}
         """rank tuple -> mechmon's group (``GroupMember.NON_GROUP_MEMBER`` where this rank is not in it)."""
         self._declared: dict[tuple[int, ...], str] = {}
+        self._membership: dict[str, bool] = {}
+        self._members: dict[str, Members] = {}
 
     # ---------------------------------------------------------------- groups
     def configure(self, timeout_s: float) -> None:
@@ -143,7 +167,20 @@ class CollectiveGuard:
 
     @staticmethod
     def _ranks(host_group: Any) -> tuple[int, ...]:
+        if isinstance(host_group, Members):
+            return host_group.ranks
         return tuple(dist.get_process_group_ranks(host_group if host_group is not None else dist.group.WORLD))
+
+    def declare_member(self, name: str, member: bool) -> None:
+        """Whether this rank belongs to mechmon's group ``name`` (local; made by :meth:`create_declared`)."""
+        self._membership[name] = bool(member)
+
+    def members(self, name: str) -> Members:
+        """The ranks of group ``name`` as agreed at the session's start (:meth:`declare_member`)."""
+        if name not in self._members:
+            me = dist.get_rank() if _distributed() else 0
+            return Members((me,)) if self._membership.get(name, True) else Members(())
+        return self._members[name]
 
     def declare(self, host_group: Any = None) -> None:
         """This rank's monitors will communicate over ``host_group`` (None: the whole job); local,
@@ -162,14 +199,21 @@ class CollectiveGuard:
             return 0
         self.declare(None)
         everyone: list = [None] * group_size(None)
-        dist.all_gather_object(everyone, sorted(self._declared.items()))
-        wanted = dict(item for declared in everyone for item in declared)
+        dist.all_gather_object(everyone, (sorted(self._declared.items()), sorted(self._membership.items())))
+        wanted = dict(item for declared, _ in everyone for item in declared)
+        backend = str(dist.get_backend(None))
+        for name in sorted({name for _, flags in everyone for name, _ in flags}):
+            ranks = tuple(rank for rank, (_, flags) in enumerate(everyone) if dict(flags).get(name, False))
+            self._members[name] = Members(ranks)
+            if len(ranks) > 1:
+                wanted.setdefault(ranks, backend)
         made = 0
         for ranks in sorted(set(wanted) - set(self._groups)):
             self._groups[ranks] = dist.new_group(list(ranks), timeout=timedelta(seconds=self.timeout_s),
                                                  backend=wanted[ranks])
             made += 1
         self._declared.clear()
+        self._membership.clear()
         return made
 
     def own(self, host_group: Any = None) -> Any:
@@ -181,6 +225,13 @@ class CollectiveGuard:
             raise RuntimeError(f"mechmon: no own process group for ranks {list(ranks)[:8]}: the adapter did not "
                                "declare this host group before the session started (CollectiveGuard.declare)")
         return mine
+
+    @staticmethod
+    def _global(group: Any, own: Any, group_rank_: int) -> int:
+        """The global rank of ``group``'s rank ``group_rank_`` (mechmon's groups keep the host's order)."""
+        if isinstance(group, Members):
+            return group.ranks[group_rank_]
+        return dist.get_global_rank(own, group_rank_)
 
     # ---------------------------------------------------------------- the one path every collective takes
     def _run(self, what: str, host_group: Any, call: Callable[[Any], T], sent: int, received: int,
@@ -245,17 +296,33 @@ class CollectiveGuard:
         self._run(what, group, lambda g: dist.all_reduce(tensor, op=reduce_op, group=g), size, size)
         return tensor
 
+    def gather(self, tensor: torch.Tensor, dst_group_rank: int, group: Any, what: str) -> Optional[list[torch.Tensor]]:
+        """Every rank's ``tensor`` (same shape and dtype on all) on rank ``dst_group_rank`` of ``group``."""
+        n = group_size(group)
+        if not _distributed() or n == 1:
+            return [tensor]
+        me = group_rank(group)
+        out = [torch.empty_like(tensor) for _ in range(n)] if me == dst_group_rank else None
+        size = _nbytes(tensor)
+
+        def call(g: Any) -> None:
+            dist.gather(tensor, out, dst=self._global(group, g, dst_group_rank), group=g)
+
+        self._run(what, group, call, 0 if out is not None else size, (n - 1) * size if out is not None else 0,
+                  world=group is None)
+        return out
+
     def gather_objects(self, obj: Any, dst_group_rank: int, group: Any, what: str) -> Optional[list]:
         """One picklable object per rank of ``group`` on its rank ``dst_group_rank`` (None elsewhere)."""
         n = group_size(group)
         if not _distributed() or n == 1:
             return [obj]
-        me = dist.get_rank(group)
+        me = group_rank(group)
         out: Optional[list] = [None] * n if me == dst_group_rank else None
         size = len(pickle.dumps(obj))
 
         def call(g: Any) -> None:
-            dst = dist.get_global_rank(g, dst_group_rank)
+            dst = self._global(group, g, dst_group_rank)
             dist.gather_object(obj, out, dst=dst, group=g)
 
         self._run(what, group, call, 0 if out is not None else size, 0, world=group is None)
@@ -267,11 +334,11 @@ class CollectiveGuard:
         """The object of rank ``src_group_rank`` of ``group`` on every rank of it."""
         if not _distributed() or group_size(group) == 1:
             return obj
-        me = dist.get_rank(group)
+        me = group_rank(group)
         box = [obj if me == src_group_rank else None]
 
         def call(g: Any) -> None:
-            dist.broadcast_object_list(box, src=dist.get_global_rank(g, src_group_rank), group=g,
+            dist.broadcast_object_list(box, src=self._global(group, g, src_group_rank), group=g,
                                        device=group_device(group))
 
         self._run(what, group, call, 0, 0, world=group is None)
@@ -286,11 +353,11 @@ class CollectiveGuard:
         """In-place tensor broadcast from rank ``src_group_rank`` of ``group``; returns ``tensor``."""
         if not _distributed() or group_size(group) == 1:
             return tensor
-        me = dist.get_rank(group)
+        me = group_rank(group)
         size = _nbytes(tensor)
 
         def call(g: Any) -> None:
-            dist.broadcast(tensor, src=dist.get_global_rank(g, src_group_rank), group=g)
+            dist.broadcast(tensor, src=self._global(group, g, src_group_rank), group=g)
 
         self._run(what, group, call, size if me == src_group_rank else 0, 0 if me == src_group_rank else size,
                   world=group is None)

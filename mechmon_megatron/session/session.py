@@ -30,7 +30,7 @@ from mechmon_megatron.session import collective_guard, names
 from mechmon_megatron.session.alert import Alert, AlertReport
 from mechmon_megatron.session.attention_check import check_full, check_heads
 from mechmon_megatron.session.config import MechmonConfig
-from mechmon_megatron.session.detector_inputs import observation
+from mechmon_megatron.session.detector_inputs import stream_observation
 from mechmon_megatron.session.detector_setup import (
     alert_of,
     build_detector,
@@ -47,7 +47,7 @@ from mechmon_megatron.session.failures import (
     strict_stop_message,
 )
 from mechmon_megatron.session.host import AttentionSite, Communicator, LocalCommunicator, RouterSite
-from mechmon_megatron.session.records import CheckOutput, merge_partials
+from mechmon_megatron.session.records import CheckOutput, Payload, Verdict, merge_partials
 from mechmon_megatron.session.router_check import empty_vector, local_router_vector, router_output
 from mechmon_megatron.session.snapshots import (
     SnapshotStore,
@@ -109,11 +109,16 @@ class MonitoringSession:
         self.rank = int(getattr(self.comm, "global_rank", getattr(self.comm, "rank", 0)))
         self.guard = getattr(self.comm, "guard", None) or collective_guard.guard()
         self.guard.configure(config.collective_timeout)
+        self._reporting = self._reports() or self.comm.is_writer
+        if hasattr(self.comm, "set_reporting"):
+            self.comm.set_reporting(self._reporting)
         self.guard.create_declared()  # every rank: mechmon's own copies of the groups the sites use
         self.off: Optional[str] = None
         """Why the monitors are off on every rank (a monitor collective failed somewhere); None: on."""
         self.last_check_comm: Optional[dict] = None
-        """Bytes and seconds of the last check's monitor collectives on this rank (``CommCounter.take``)."""
+        """The last check's monitor collectives on this rank (``CommCounter.take``): ``reads`` (the
+        weights' gathers, the routers' all-reduces) and ``records`` (the records to the writer and
+        the decision back)."""
         self.writer = writer or WriterGroup()
         for router in self.router_sites:
             router.num_bins = config.router_entropy_bins
@@ -143,6 +148,18 @@ class MonitoringSession:
         self._webhook: Optional[WebhookPoster] = None
         if config.enabled and config.alert_webhook and self.comm.is_writer:
             self._webhook = WebhookPoster(config.alert_webhook)
+
+    def _reports(self) -> bool:
+        """Whether this rank produces records at a check (a layer's per-head or full-matrix work, a
+        router's report): only such ranks send the writer a payload. Known from the layout."""
+        for site in self.attention_sites:
+            if site.reports is None:
+                budget = site.snapshot_budget
+                if budget is None or budget.heads_elements or budget.full_elements:
+                    return True
+            elif site.reports:
+                return True
+        return any(router.reports for router in self.router_sites)
 
     def _agreed_placement(self, config: MechmonConfig, budget: Optional[int], device: torch.device) -> str:
         """This rank's snapshot placement, after every rank agreed that all can start (one all-reduce).
@@ -212,7 +229,13 @@ class MonitoringSession:
         if self.config.is_snapshot_step(iteration):
             self._take_snapshot(iteration)
         if self.config.is_check_step(iteration) or self.config.is_snapshot_step(iteration):
+            self.guard.counter.take()  # the snapshot's reads since the check are not the check's records
             off = self._agree_collectives(iteration)
+            agreement = self.guard.counter.take()
+            last = self.last_check_comm
+            if last is not None and last["iteration"] == iteration:  # the check's end-of-step agreement
+                for key in ("sent_bytes", "received_bytes", "seconds", "calls"):
+                    last["records"][key] += agreement[key]
             if off is not None:
                 decision = off
         self._overhead_s += time.perf_counter() - self._step_start
@@ -381,26 +404,47 @@ class MonitoringSession:
         for router, floor in zip(self.router_sites, self._router_floors):
             outputs.append(self._router_check(iteration, router, floor))
         outputs = [o for o in outputs if o is not None and o is not FAILED]
-        verdict: dict = {"alarm": False, "alerts": [], "stop": None}
+        reads = self.guard.counter.take()  # the weights' gathers and the routers' all-reduces
         try:
-            gathered = self.comm.gather_to_writer(self._payload(iteration, outputs))
-            if self.comm.is_writer:
-                assert gathered is not None  # the writer receives every rank's payload
-                verdict = self._verdict(iteration, gathered, drill)
-            verdict = self.comm.broadcast_from_writer(verdict)  # the one decision, on every rank
+            verdict = self._exchange(iteration, outputs, drill)
         except (collective_guard.CollectiveFailure, collective_guard.CollectivesOff) as exc:
             # This rank is down: the end-of-step agreement turns the monitors off on every rank.
             if isinstance(exc, collective_guard.CollectiveFailure):
                 log.record("decision", None, iteration, exc)
-            verdict = {"alarm": False, "alerts": [], "stop": None}
-        self.last_check_comm = {"iteration": int(iteration), **self.guard.counter.take()}
+            verdict = Verdict()
+        self.last_check_comm = {"iteration": int(iteration), "reads": reads, "records": self.guard.counter.take()}
         self._overhead_s = 0.0
         self._step_start = time.perf_counter()  # what follows is counted towards the next check
-        alerts = list(verdict["alerts"])
+        alerts = list(verdict.alerts)
         # A drill alarms on every rank even if the writer's decision failed: all know the step.
         if drill and not alerts:
             alerts = [_drill_alert(iteration)]
-        return Decision(iteration, alarm=bool(verdict["alarm"]) or drill, alerts=alerts, stop=verdict["stop"])
+        return Decision(iteration, alarm=verdict.alarm or drill, alerts=alerts, stop=verdict.stop)
+
+    def _exchange(self, iteration: int, outputs: list[CheckOutput], drill: bool) -> Verdict:
+        """The check's records to the writer and its verdict back (``session/host.py``).
+
+        1. every rank: its failure and error counts in one all-reduce (two float64);
+        2. the reporting ranks (and the writer) only: their payloads to the writer;
+        3. only when some rank failed: every rank's failure records to the writer;
+        4. every rank: the verdict, one small tensor, plus the alerts when there is an alarm.
+        """
+        payload = self._payload(iteration, outputs)
+        failures = self.failures.take()
+        errors_now = self.failures.errors
+        total_failures, total_errors = self.comm.sum_over_ranks([len(failures), errors_now])
+        gathered = self.comm.gather_reports(payload) if self._reporting else None
+        every_failure: list[PhaseFailure] = []
+        if total_failures > 0:
+            per_rank = self.comm.gather_to_writer(failures)
+            every_failure = [f for part in per_rank or [] for f in part]
+        verdict: Optional[Verdict] = None
+        if self.comm.is_writer:
+            assert gathered is not None  # the writer receives every reporting rank's payload
+            # Errors of the other ranks; the writer's own count grows while it decides.
+            others = total_errors - errors_now
+            verdict = self._verdict(iteration, gathered, every_failure, others, drill)
+        return self.comm.broadcast_verdict(verdict)  # the one decision, on every rank
 
     def _router_check(self, iteration: int, router: RouterSite, floor: Optional[float]):
         """One router: local summary, the all-reduce (every rank, always), the reporting rank's output.
@@ -428,46 +472,46 @@ class MonitoringSession:
             return None
         return log.run("router", layer, iteration, router_output, router, total[:-1], cfg.router_entropy_bins, floor)
 
-    def _payload(self, iteration: int, outputs: list[CheckOutput]) -> dict:
-        """This rank's records for the writer; always picklable (a failed build sends failures only)."""
-        def build() -> dict:
-            payload = {
-                "layers": self._local_layers,
-                "scalars": [o.scalars for o in outputs],
-                "streams": [st for o in outputs for st in o.streams],
-                "nonfinite": [report for o in outputs for report in o.nonfinite],
+    def _payload(self, iteration: int, outputs: list[CheckOutput]) -> Payload:
+        """This rank's records for the writer; always picklable (a failed build sends its layers only)."""
+        def build() -> Payload:
+            payload = Payload(
+                rank=self.rank,
+                layers=self._local_layers,
+                scalars=[o.scalars for o in outputs],
+                streams=[st for o in outputs for st in o.streams],
+                nonfinite=[report for o in outputs for report in o.nonfinite],
                 # Session time since the previous check: snapshots in between plus this check so far.
-                "overhead_s": self._overhead_s + (time.perf_counter() - self._step_start),
-            }
+                overhead_s=self._overhead_s + (time.perf_counter() - self._step_start),
+            )
             pickle.dumps(payload)  # fail here, under the guard, not inside the gather collective
             return payload
 
         payload = self.failures.run("payload", None, iteration, build)
-        if payload is FAILED:
-            payload = {"layers": self._local_layers, "scalars": [], "streams": [], "nonfinite": [], "overhead_s": 0.0}
-        payload["failures"] = self.failures.take()
-        payload["errors"] = self.failures.errors
-        payload["rank"] = self.rank
-        return payload
+        return Payload(rank=self.rank, layers=self._local_layers) if payload is FAILED else payload
 
-    def _verdict(self, iteration: int, gathered: list[dict], drill: bool) -> dict:
-        """Writer rank: the decision every rank will take (alarm, alerts, strict stop)."""
-        alerts = self.failures.run("decision", None, iteration, self._decide, iteration, gathered, drill)
+    def _verdict(self, iteration: int, gathered: list[Payload], failures: list[PhaseFailure], others_errors: float,
+                 drill: bool) -> Verdict:
+        """Writer rank: the decision every rank will take (alarm, alerts, strict stop).
+
+        ``failures``: every rank's failure records of this check (the writer's own so far
+        included); ``others_errors``: the other ranks' cumulative error counts, summed."""
+        alerts = self.failures.run("decision", None, iteration, self._decide, iteration, gathered, bool(failures),
+                                   others_errors, drill)
         if alerts is FAILED:
             alerts = [_drill_alert(iteration)] if drill else []
             # No detector decided: TensorBoard must say so too (the scalars of _decide never came).
-            errors = sum(p["errors"] for p in gathered if p["rank"] != self.rank) + self.failures.errors
+            errors = others_errors + self.failures.errors
             self.failures.run("write", None, iteration, self._write,
                               {names.ACTIVE: 0.0, names.ERRORS: float(errors)}, iteration)
-        failures: list[PhaseFailure] = [f for payload in gathered for f in payload["failures"]]
-        failures += self.failures.take()  # the writer's own, from the decision and the writers
+        failures = list(failures) + self.failures.take()  # the writer's own, from the decision and the writers
         self._quiet.update(iteration, failures)  # one error line per N checks while the monitors are off
         stop = strict_stop_message(failures) if (self.config.strict and failures) else None
-        return {"alarm": bool(alerts), "alerts": alerts, "stop": stop}
+        return Verdict(alarm=bool(alerts), alerts=alerts, stop=stop)
 
-    def _ensure_detector(self, gathered: list[dict]) -> PooledCusumDetector:
+    def _ensure_detector(self, gathered: list[Payload]) -> PooledCusumDetector:
         if self.detector is None:
-            shape = job_shape(self.config, [payload["layers"] for payload in gathered])
+            shape = job_shape(self.config, [payload.layers for payload in gathered])
             self.detector, self.detector_account = build_detector(
                 self.config, shape, self._detector_design, self._tail_table
             )
@@ -485,13 +529,17 @@ class MonitoringSession:
             )
         return self.detector
 
-    def _decide(self, iteration: int, gathered: list[dict], drill: bool = False) -> list[Alert]:
+    def _decide(self, iteration: int, gathered: list[Payload], failed: bool, others_errors: float,
+                drill: bool = False) -> list[Alert]:
         """Writer rank: feed the detector, decide, then write the scalars (a writer failure is
-        logged and never changes the decision). Returns the alarms of this check."""
-        scalars = merge_partials([part for payload in gathered for part in payload["scalars"]])
+        logged and never changes the decision). Returns the alarms of this check.
+
+        ``failed``: some rank recorded a failure at this check; ``others_errors``: the other ranks'
+        cumulative error counts (``mechmon/errors`` adds the writer's own)."""
+        scalars = merge_partials([part for payload in gathered for part in payload.scalars])
         alerts: list[Alert] = [_drill_alert(iteration)] if drill else []
         for payload in gathered:
-            for report in payload["nonfinite"]:
+            for report in payload.nonfinite:
                 alerts.append(
                     Alert(
                         iteration=iteration,
@@ -509,10 +557,7 @@ class MonitoringSession:
                     )
                 )
         observations = [
-            obs
-            for payload in gathered
-            for stream in payload["streams"]
-            if (obs := observation(stream.name, stream.value, stream.limit, stream.limit_reason)) is not None
+            obs for payload in gathered for stream in payload.streams if (obs := stream_observation(stream)) is not None
         ]
         result = self._ensure_detector(gathered).update(iteration, observations)
         alerts.extend(alert_of(alarm, self.config, self._detector_design) for alarm in result.alarms)
@@ -529,13 +574,12 @@ class MonitoringSession:
         scalars.update({f"{names.DETECT_PREFIX}/{key}": value for key, value in result.statistics.items()})
         scalars[names.ALARM] = 1.0 if alerts else 0.0
         # 1: every rank's checks ran and the detector decided (a failure so far makes it 0).
-        failed = any(payload["failures"] for payload in gathered) or bool(self.failures.pending)
-        scalars[names.ACTIVE] = 0.0 if failed else 1.0
+        scalars[names.ACTIVE] = 0.0 if (failed or self.failures.pending) else 1.0
         scalars[names.WARNINGS] = float(len(result.warnings))
         # Cumulative over ranks; the writer's own count includes failures of this decision so far.
-        others = sum(p["errors"] for p in gathered if p["rank"] != self.rank)
-        scalars[names.ERRORS] = float(others + self.failures.errors)
-        scalars[names.OVERHEAD_MS] = 1000.0 * max(p["overhead_s"] for p in gathered)
+        scalars[names.ERRORS] = float(others_errors + self.failures.errors)
+        # The slowest reporting rank (the others only read and gather for them).
+        scalars[names.OVERHEAD_MS] = 1000.0 * max(p.overhead_s for p in gathered)
         self.alerts.extend(alerts)
         for alert in alerts:
             if self.config.action != "log":

@@ -1,8 +1,9 @@
 """One rank of the collective-guard tests (tests/session/test_collective_guard.py), real gloo.
 
-    RANK=r WORLD_SIZE=n MASTER_ADDR=... MASTER_PORT=... python tests/session/_guard_worker.py MODE OUT
+    RANK=r WORLD_SIZE=n MASTER_ADDR=... MASTER_PORT=... python tests/session/_guard_worker.py MODES OUT
 
-Modes (each rank writes ``OUT.rank<r>.json``):
+``MODES``: a comma-separated list, run in order in one process (each rank writes
+``OUT.<mode>.rank<r>.json``); ``raise`` leaves mechmon's groups down, so it comes last:
 
 * ``raise``: mechmon's all-gather raises at the call on rank 1 (``torch.distributed.all_gather``
   patched there only); every rank records how long it took and what the end-of-step agreement said;
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from mechmon_megatron.session import collective_guard
 from mechmon_megatron.session.collective_guard import CollectiveFailure, CollectivesOff
 from mechmon_megatron.session.config import MechmonConfig
-from mechmon_megatron.session.host import AttentionSite, FullQK, QKWeights, SnapshotBudget, TorchDistributedCommunicator
+from mechmon_megatron.session.host import AttentionSite, QKWeights, SnapshotBudget, TorchDistributedCommunicator
 from mechmon_megatron.session.session import MonitoringSession
 
 TIMEOUT_S = 2.0
@@ -76,6 +77,13 @@ def _startup(rank: int) -> dict:
     collective_guard.reset_guard(TIMEOUT_S)
     if rank == 1:
         os.environ["LOCAL_WORLD_SIZE"] = str(10**12)  # a share of host memory below one snapshot
+    try:
+        return _start_session()
+    finally:
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
+
+
+def _start_session() -> dict:
     wq, wk = torch.zeros(4, 8, 16), torch.zeros(2, 8, 16)
     sites = []
     for layer in (1, 2):
@@ -92,12 +100,13 @@ def _startup(rank: int) -> dict:
 
 
 def main() -> int:
-    mode, out = sys.argv[1], sys.argv[2]
+    modes, out = sys.argv[1].split(","), sys.argv[2]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
-    row = {"raise": _raise, "count": _count, "startup": _startup}[mode](rank)
-    with open(f"{out}.rank{rank}.json", "w", encoding="utf-8") as f:
-        json.dump(row, f)
+    for mode in modes:
+        row = {"raise": _raise, "count": _count, "startup": _startup}[mode](rank)
+        with open(f"{out}.{mode}.rank{rank}.json", "w", encoding="utf-8") as f:
+            json.dump(row, f)
     # No destroy_process_group: a group left out of step by the injected failure must not block the exit.
     return 0
 

@@ -18,16 +18,21 @@ WORKER = REPO_ROOT / "tests" / "session" / "_guard_worker.py"
 TIMEOUT_S = 2.0  # the worker's --mechmon-collective-timeout
 
 
-def _run(tmp_path: Path, mode: str, nproc: int = 2) -> list[dict]:
-    out = tmp_path / mode
-    results = run_ranks(WORKER, [mode, str(out)], nproc=nproc, timeout_s=90)
+MODES = ("count", "startup", "raise")  # one launch of two ranks; "raise" leaves the groups down: last
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory) -> dict[str, list[dict]]:
+    out = tmp_path_factory.mktemp("guard") / "guard"
+    results = run_ranks(WORKER, [",".join(MODES), str(out)], nproc=2, timeout_s=120)
     for rank, result in enumerate(results):
         assert not result.timed_out and result.returncode == 0, f"rank {rank}:\n{result.output[-3000:]}"
-    return [json.loads(Path(f"{out}.rank{rank}.json").read_text()) for rank in range(nproc)]
+    return {mode: [json.loads(Path(f"{out}.{mode}.rank{rank}.json").read_text()) for rank in range(2)]
+            for mode in MODES}
 
 
-def test_a_collective_that_raises_on_one_rank_costs_the_peer_one_timeout(tmp_path: Path):
-    rank0, rank1 = _run(tmp_path, "raise")
+def test_a_collective_that_raises_on_one_rank_costs_the_peer_one_timeout(rows):
+    rank0, rank1 = rows["raise"]
     assert "injected transport error at the call" in rank1["error"] and rank1["seconds"] < TIMEOUT_S
     # Rank 0 was left inside the all-gather: it gave up after the timeout (not the host's 60 s).
     assert "failed or timed out (--mechmon-collective-timeout 2 s)" in rank0["error"]
@@ -36,21 +41,20 @@ def test_a_collective_that_raises_on_one_rank_costs_the_peer_one_timeout(tmp_pat
         assert row["later"] == "skipped" and row["up"] is False and row["down"]
 
 
-def test_the_byte_counter_matches_a_hand_count(tmp_path: Path):
-    rows = _run(tmp_path, "count", nproc=3)
-    for rank, row in enumerate(rows):
-        assert row["parts"] == [[float(r)] * 3 for r in range(3)]
-        # all-reduce of 5 float32: 20 bytes in, 20 out; all-gather of 3 float64: 24 out, 2 x 24 in.
+def test_the_byte_counter_matches_a_hand_count(rows):
+    for rank, row in enumerate(rows["count"]):
+        assert row["parts"] == [[float(r)] * 3 for r in range(2)]
+        # all-reduce of 5 float32: 20 bytes in, 20 out; all-gather of 3 float64: 24 out, 24 in.
         assert (row["reduce"]["sent_bytes"], row["reduce"]["received_bytes"]) == (20, 20)
-        assert (row["gather"]["sent_bytes"], row["gather"]["received_bytes"]) == (24, 48)
-        # broadcast of one int64 from rank 2: it sends 8 bytes, the others receive 8.
-        expected = (8, 0) if rank == 2 else (0, 8)
+        assert (row["gather"]["sent_bytes"], row["gather"]["received_bytes"]) == (24, 24)
+        # broadcast of one int64 from rank 1: it sends 8 bytes, rank 0 receives 8.
+        expected = (8, 0) if rank == 1 else (0, 8)
         assert (row["broadcast"]["sent_bytes"], row["broadcast"]["received_bytes"]) == expected
-        assert row["flag"] == 2 and row["reduce"]["calls"] == 1
+        assert row["flag"] == 1 and row["reduce"]["calls"] == 1
 
 
-def test_a_rank_that_cannot_hold_its_snapshots_stops_every_rank_with_one_message(tmp_path: Path):
-    rank0, rank1 = _run(tmp_path, "startup")
+def test_a_rank_that_cannot_hold_its_snapshots_stops_every_rank_with_one_message(rows):
+    rank0, rank1 = rows["startup"]
     assert rank0["error"] is not None and rank0["error"] == rank1["error"]
     message = rank0["error"]
     assert message.startswith("mechmon cannot start on every rank: rank 1: mechmon snapshots would hold")

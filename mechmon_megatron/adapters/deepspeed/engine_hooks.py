@@ -220,7 +220,7 @@ class MechmonDeepSpeed:
                 found_one, owner=(layer - 1) % _world() == _rank(), full_matrix=self.config.full_matrix_dw
             )
             sites.append(AttentionSite(layer, reader.read_heads, reader.read_full, found_one.name,
-                                       snapshot_budget=reader.budget()))
+                                       snapshot_budget=reader.budget(), reports=reader.owner))
         return sites
 
     def _build_router_sites(self, model: torch.nn.Module) -> list[RouterSite]:

@@ -174,7 +174,8 @@ def attention_sites(
         main = getattr(reader.read_weight, "source", "model") == "main"
         size = element_size if element_size is not None else (4 if main else reader.weight.element_size())
         sites.append(AttentionSite(item.layer_number, reader.read_heads, reader.read_full, item.name,
-                                   snapshot_budget=reader.budget(size)))
+                                   snapshot_budget=reader.budget(size),
+                                   reports=reader.heads_owner or reader.full_owner))
     return sites
 
 
