@@ -107,10 +107,11 @@ def test_writer_failure_never_loses_a_real_alarm(tmp_path: Path):
     assert "phase write" in results[1].output
 
 
-COLLECTIVE_TIMEOUT_S = 4
-"""--mechmon-collective-timeout of the tests below: the peer waits this long, then gives up."""
+COLLECTIVE_TIMEOUT_S = 15
+"""--mechmon-collective-timeout of the tests below: the peer waits this long, then gives up (longer
+than the writer's decision may take on a loaded 2-core machine, where the peers wait for it)."""
 
-MARGIN_S = 25
+MARGIN_S = 40
 """What a rank may take beyond the collective timeout to notice, agree and stop (a loaded machine)."""
 
 
@@ -135,7 +136,8 @@ def test_a_collective_that_raises_on_one_rank_ends_in_bounded_time_on_every_rank
         assert at5[0]["time"] - inject["time"] <= COLLECTIVE_TIMEOUT_S + MARGIN_S, (rank, at5, inject)
     if strict:
         message = ("MechmonStrictError: mechmon monitor failed and --mechmon-strict is set; every rank stops: a "
-                   "monitor collective failed or timed out at iteration 5 (--mechmon-collective-timeout 4 s)")
+                   f"monitor collective failed or timed out at iteration 5 (--mechmon-collective-timeout "
+                   f"{COLLECTIVE_TIMEOUT_S} s)")
         for rank, result in enumerate(results):
             assert message in result.output, f"rank {rank}:\n{result.output[-3000:]}"
         assert [r["iteration"] for r in rows[0]] == [r["iteration"] for r in rows[1]] == [5]
@@ -145,5 +147,5 @@ def test_a_collective_that_raises_on_one_rank_ends_in_bounded_time_on_every_rank
             # Training went on to the end; the later checks ran no monitor (off on both ranks).
             assert [r["iteration"] for r in rows[rank]] == [5, 10, 15] and all(r["off"] for r in rows[rank])
         # Rank 0 waited in the collective: its own failure names the timeout; rank 1's, the raise.
-        assert "failed or timed out (--mechmon-collective-timeout 4 s)" in results[0].output
+        assert f"failed or timed out (--mechmon-collective-timeout {COLLECTIVE_TIMEOUT_S} s)" in results[0].output
         assert "injected failure in collective" in results[1].output
