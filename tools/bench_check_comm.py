@@ -57,14 +57,32 @@ def run_world(nproc: int, iters: int, interval: int, timeout_s: float, workdir: 
         ranks[rank] = [json.loads(line) for line in path.read_text().splitlines()]
     writer = nproc - 1  # the example trainer writes on the last rank, as Megatron does
     return {"ranks": nproc, "layout": {"tp": 2, "pp": 1, "dp": dp, "sequence_parallel": True},
-            "wall_s": round(wall, 1), "per_rank": ranks, "summary": summarize(ranks, writer)}
+            "wall_s": round(wall, 1), "per_rank": ranks, "summary": summarize(ranks, writer),
+            "planned": planned(dp)}
+
+
+def planned(dp: int) -> dict[str, Any]:
+    """``mechmon-plan``'s count of the same check (``plan/comm.py``) for comparison."""
+    from mechmon_megatron.plan.comm import check_comm_bytes
+    from mechmon_megatron.plan.shapes import ModelShape, ParallelLayout
+
+    shape = ModelShape(name="bench", num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=4,
+                       kv_channels=8, ffn_hidden_size=128, vocab_size=256, seq_length=16, micro_batch_size=1,
+                       global_batch_size=dp, num_experts=4, moe_router_topk=2)
+    return check_comm_bytes(shape, ParallelLayout(tp=2, pp=1, dp=dp))
 
 
 def summarize(ranks: dict[int, list[dict]], writer: int) -> dict[str, Any]:
-    """Per-check means, for ``records`` (the records to the writer and the decision back) and
+    """The last check (steady state: the first one also sends each reporting rank's schema), for
+    ``records`` (the records to the writer, the decision back, the end-of-step agreement) and
     ``reads`` (the weights' gathers and the routers' all-reduces): the writer's bytes, the largest
-    and the median non-writer's, and the slowest rank's collective seconds."""
+    and the median non-writer's, and the slowest rank's collective seconds; ``first_check``: the
+    writer's and the largest other rank's records bytes at the first check."""
     out: dict[str, Any] = {"checks": len(ranks[writer]), "writer_rank": writer}
+    first = {r: rows[0]["records"]["sent_bytes"] + rows[0]["records"]["received_bytes"] for r, rows in ranks.items()}
+    out["first_check"] = {"writer_bytes": first[writer],
+                          "max_other_bytes": max((b for r, b in first.items() if r != writer), default=0)}
+    ranks = {r: rows[-1:] for r, rows in ranks.items()}
     for part in ("records", "reads"):
         def per_check(rows: list[dict], part: str = part) -> float:
             return statistics.fmean(r[part]["sent_bytes"] + r[part]["received_bytes"] for r in rows) if rows else 0.0
@@ -79,21 +97,25 @@ def summarize(ranks: dict[int, list[dict]], writer: int) -> dict[str, Any]:
             "max_other_bytes": round(others[busiest]) if busiest is not None else 0,
             "max_other_rank": busiest,
             "median_other_bytes": round(statistics.median(others.values())) if others else 0,
+            "min_other_bytes": round(min(others.values())) if others else 0,
             "max_seconds": round(max(seconds), 4) if seconds else 0.0,
         }
     return out
 
 
 def markdown(results: list[dict]) -> str:
-    lines = ["| ranks | layout | records: writer B / check | records: largest other rank | records: median other "
-             "| reads: largest rank B / check | slowest rank's collectives / check |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| ranks | layout | records: writer B / check (planned) | records: largest other rank (planned) | "
+             "records: smallest other rank | records, first check: writer / largest other | reads: largest rank B / "
+             "check | slowest rank's collectives / check |",
+             "|---|---|---|---|---|---|---|---|"]
     for res in results:
         rec, rd, lay = res["summary"]["records"], res["summary"]["reads"], res["layout"]
+        first, plan = res["summary"]["first_check"], res["planned"]
         reads = max(rd["writer_bytes"], rd["max_other_bytes"])
         seconds = rec["max_seconds"] + rd["max_seconds"]
-        lines.append(f"| {res['ranks']} | TP {lay['tp']} x DP {lay['dp']} (SP) | {rec['writer_bytes']:,} | "
-                     f"{rec['max_other_bytes']:,} (rank {rec['max_other_rank']}) | {rec['median_other_bytes']:,} | "
+        lines.append(f"| {res['ranks']} | TP {lay['tp']} x DP {lay['dp']} (SP) | {rec['writer_bytes']:,} "
+                     f"({plan['writer']:,}) | {rec['max_other_bytes']:,} ({plan['per_rank']:,}) | "
+                     f"{rec['min_other_bytes']:,} | {first['writer_bytes']:,} / {first['max_other_bytes']:,} | "
                      f"{reads:,} | {seconds * 1000:.1f} ms |")
     return "\n".join(lines)
 

@@ -115,13 +115,15 @@ MARGIN_S = 40
 """What a rank may take beyond the collective timeout to notice, agree and stop (a loaded machine)."""
 
 
-@pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
+@pytest.mark.parametrize("strict", [pytest.param(False, marks=pytest.mark.slow), True], ids=["non-strict", "strict"])
 def test_a_collective_that_raises_on_one_rank_ends_in_bounded_time_on_every_rank(tmp_path: Path, strict: bool):
     """torch.distributed.all_gather raises at the call on rank 1 (the tensor-parallel gather of
     the check at 5): rank 0 is left inside the collective, on mechmon's own group, and gives up
     after --mechmon-collective-timeout; then both turn the monitors off and train to the end
     (exit 0), or under --mechmon-strict both stop with the same message (exit 1, Python's status
-    for the uncaught MechmonStrictError). Before issue 21 rank 0 waited until it was killed."""
+    for the uncaught MechmonStrictError). Before issue 21 rank 0 waited until it was killed.
+    The non-strict case waits the whole timeout (68 s on the loaded 2-core machine): slow leg;
+    tests/session/test_collective_guard.py covers the timeout itself in the fast leg."""
     extra = ["--mechmon-collective-timeout", str(COLLECTIVE_TIMEOUT_S), *(["--mechmon-strict"] if strict else [])]
     results, _ = _launch(tmp_path, "collective@5", extra, iters=15)
     decisions = tmp_path / "decisions"
