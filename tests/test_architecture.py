@@ -221,3 +221,119 @@ def test_the_rules_catch_a_violation():
     assert f"{PKG}.research" in names and f"{PKG}.research.study" in names and f"{PKG}.session.names" in names
     assert _parse_imports("from .sites import x\n", f"{PKG}.adapters.deepspeed", True) == [
         f"{PKG}.adapters.deepspeed.sites", f"{PKG}.adapters.deepspeed.sites.x"]
+
+
+# ---------------------------------------------------------------------------- collectives (issue 21)
+GUARD_MODULE = f"{PKG}.session.collective_guard"
+"""The one module of the product that calls torch.distributed collectives (own groups, bounded wait)."""
+
+COLLECTIVES = frozenset({
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all", "all_to_all_single",
+    "barrier", "monitored_barrier", "broadcast", "broadcast_object_list", "gather", "gather_object", "reduce",
+    "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list", "send", "recv", "isend", "irecv",
+    "batch_isend_irecv", "send_object_list", "recv_object_list", "all_reduce_coalesced",
+})
+"""torch.distributed functions that communicate (group creation and queries do not)."""
+
+HOST_COLLECTIVES = frozenset({"force_param_sync", "start_param_sync", "read_full_param", "prefetch",
+                              "safe_get_full_fp32_param", "GatheredParameters"})
+"""Host functions that run a collective on the host's groups for the monitors (ZeRO reads, the
+forced parameter all-gather): referenced only inside ``host_collective`` / ``run_host_collective``
+arguments, or inside their own definitions."""
+
+HOST_COLLECTIVE_RUNNERS = frozenset({"host_collective", "run_host_collective"})
+
+
+def _distributed_aliases(tree: ast.AST) -> tuple[set[str], set[str]]:
+    """(names bound to the torch.distributed module, collective functions imported by name)."""
+    modules, functions = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == "torch.distributed" and alias.asname:
+                    modules.add(alias.asname)
+        elif isinstance(node, ast.ImportFrom):
+            if node.module == "torch":
+                modules |= {a.asname or a.name for a in node.names if a.name == "distributed"}
+            elif node.module in ("torch.distributed", "torch.distributed.distributed_c10d"):
+                functions |= {a.asname or a.name for a in node.names if a.name in COLLECTIVES}
+    return modules, functions
+
+
+def _dotted(node: ast.AST) -> str:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return f"{_dotted(node.value)}.{node.attr}"
+    return "?"
+
+
+def collective_calls(source: str) -> list[str]:
+    """``line: call`` of every torch.distributed collective that ``source`` calls."""
+    tree = ast.parse(source)
+    modules, functions = _distributed_aliases(tree)
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if isinstance(func, ast.Attribute) and func.attr in COLLECTIVES:
+            receiver = _dotted(func.value)
+            if receiver in modules or receiver in ("torch.distributed", "torch.distributed.distributed_c10d") \
+                    or receiver.endswith("._dist"):
+                found.append(f"{node.lineno}: {_dotted(func)}")
+        elif isinstance(func, ast.Name) and func.id in functions:
+            found.append(f"{node.lineno}: {func.id}")
+    return found
+
+
+def unguarded_host_collectives(source: str) -> list[str]:
+    """``line: name`` of every reference to a host collective outside a guard runner's arguments
+    and outside its own definition."""
+    tree = ast.parse(source)
+    allowed: set[int] = set()
+    for node in ast.walk(tree):
+        inside = None
+        if isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute)):
+            name = node.func.id if isinstance(node.func, ast.Name) else node.func.attr
+            if name in HOST_COLLECTIVE_RUNNERS:
+                inside = [*node.args, *(k.value for k in node.keywords)]
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in HOST_COLLECTIVES:
+            inside = node.body
+        for part in inside or ():
+            allowed |= {id(n) for n in ast.walk(part)}
+    found = []
+    for node in ast.walk(tree):
+        name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+        if name in HOST_COLLECTIVES and id(node) not in allowed:
+            found.append(f"{node.lineno}: {name}")
+    return found
+
+
+def test_every_collective_goes_through_the_guard():
+    """Only session/collective_guard.py calls torch.distributed collectives (mechmon's own groups,
+    the bounded timeout, the down state, the byte counter); the host's collectives issued for the
+    monitors run inside ``host_collective`` (the failure log and the schedule)."""
+    bad = [f"{_module_name(f)}:{hit}" for f in PRODUCT if _module_name(f) != GUARD_MODULE
+           for hit in collective_calls(f.read_text(encoding="utf-8"))]
+    assert not bad, f"torch.distributed collectives outside {GUARD_MODULE}: {bad}"
+    bad = [f"{_module_name(f)}:{hit}" for f in PRODUCT
+           for hit in unguarded_host_collectives(f.read_text(encoding="utf-8"))]
+    assert not bad, f"host collectives outside host_collective / run_host_collective: {bad}"
+    assert collective_calls((PACKAGE / "session" / "collective_guard.py").read_text(encoding="utf-8"))
+
+
+def test_the_collective_rule_catches_a_violation():
+    """The detectors see every spelling of a collective call (so the rule above is not vacuous)."""
+    source = ("import torch\nimport torch.distributed as dist\nfrom torch.distributed import all_gather as ag\n"
+              "from torch import distributed\n"
+              "def f(t, parts, g):\n    dist.all_reduce(t)\n    torch.distributed.barrier()\n    ag(parts, t)\n"
+              "    distributed.broadcast_object_list([t], src=0)\n    self._dist.gather_object(t, None)\n"
+              "    torch.gather(t, 0, t)\n    dist.get_rank(g)\n")
+    assert [hit.split(": ")[1] for hit in collective_calls(source)] == [
+        "dist.all_reduce", "torch.distributed.barrier", "ag", "distributed.broadcast_object_list",
+        "self._dist.gather_object"]
+    source = ("def g(s, chunks, router):\n    force_param_sync(chunks)\n"
+              "    s.run_host_collective('read', 1, lambda: force_param_sync(chunks), 'w')\n"
+              "    s.host_collective(router.prefetch, 'w')\n    router.prefetch()\n")
+    assert unguarded_host_collectives(source) == ["2: force_param_sync", "5: prefetch"]

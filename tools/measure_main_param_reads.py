@@ -98,6 +98,9 @@ class ReadComparison:
             self.layers.append(dict(layer=item.layer_number, weight=weight, reads={"main": main, "model": model},
                                     np=cfg.num_attention_heads, ng=cfg.num_query_groups or cfg.num_attention_heads,
                                     hn=module.hidden_size_per_attention_head))
+        from mechmon_megatron.session.collective_guard import guard
+
+        guard().create_declared()  # mechmon's own copies of the groups the readers gather over
         if 0 in self.snap_steps:
             self._snapshot(0)
 

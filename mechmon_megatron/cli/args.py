@@ -121,6 +121,14 @@ def add_mechmon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument(
         "--mechmon-strict", action="store_true", help="Let monitor exceptions stop training (default: log and count)."
     )
+    g.add_argument(
+        "--mechmon-collective-timeout",
+        type=float,
+        default=None,
+        help="Seconds a monitor collective waits for its peers before the monitors turn off on every rank "
+        "(--mechmon-strict: every rank stops); default 120, or a quarter of --distributed-timeout-minutes "
+        "when that is shorter; must stay below half of it.",
+    )
     g.add_argument("--mechmon-per-head-scalars", action="store_true", help="Also write one Delta2 scalar per head.")
     g.add_argument(
         "--mechmon-router-entropy-bins",
@@ -193,6 +201,7 @@ def config_from_args(args: argparse.Namespace) -> MechmonConfig:
         log_dir=args.mechmon_log_dir,
         drill_at=args.mechmon_drill_at,
         strict=bool(args.mechmon_strict),
+        collective_timeout=_collective_timeout(args),
         per_head_scalars=bool(args.mechmon_per_head_scalars),
         router_entropy_bins=args.mechmon_router_entropy_bins,
         router_min_effective_experts=args.mechmon_router_min_effective_experts,
@@ -234,7 +243,24 @@ def run_facts(args: argparse.Namespace) -> RunFacts:
         snapshot_set_bytes=_snapshot_set_bytes(args),
         save_dir=getattr(args, "save", None),
         save_flag="--save",
+        host_timeout_s=_host_timeout_s(args),
+        host_timeout_flag="--distributed-timeout-minutes",
     )
+
+
+def _collective_timeout(args: argparse.Namespace) -> float:
+    """``--mechmon-collective-timeout``, or its default: 120 s, or a quarter of the host's own
+    collective timeout when that is shorter (a monitor collective must give up first)."""
+    value = getattr(args, "mechmon_collective_timeout", None)
+    if value is not None:
+        return value
+    host = _host_timeout_s(args)
+    return min(_DEFAULTS.collective_timeout, host / 4) if host is not None else _DEFAULTS.collective_timeout
+
+
+def _host_timeout_s(args: argparse.Namespace) -> Optional[float]:
+    minutes = getattr(args, "distributed_timeout_minutes", None)
+    return 60.0 * minutes if isinstance(minutes, (int, float)) and minutes > 0 else None
 
 
 def _snapshot_set_bytes(args: argparse.Namespace) -> Optional[int]:

@@ -18,6 +18,7 @@ from typing import Literal, Optional
 import torch
 
 from mechmon_megatron.plan import measure
+from mechmon_megatron.plan.comm import check_comm_bytes
 from mechmon_megatron.plan.estimate import GPUS, GpuSpec, estimated_step_time_s, step_flops
 from mechmon_megatron.plan.flops import full_cost, heads_cost, router_stats_cost, router_weight_cost
 from mechmon_megatron.plan.shapes import ModelShape, ParallelLayout, PlanInputError, validate
@@ -337,6 +338,7 @@ def build_report(shape: ModelShape, layout: ParallelLayout, opts: PlanOptions) -
     ref_time = total(ref[id(ref_cls)])
     device_name = _device_name(opts.device) if opts.measure else gpu.name
     device = opts.device if opts.measure else f"reference GPU {opts.gpu} (--no-measure)"
+    comm = check_comm_bytes(shape, layout)  # the records to the writer and the verdict back
     report = {
         "model": {**asdict(shape), "params_per_token": shape.params_per_token()},
         "layout": {**asdict(layout), "world_size": layout.world_size, "sequence_parallel": layout.sequence_parallel},
@@ -358,6 +360,9 @@ def build_report(shape: ModelShape, layout: ParallelLayout, opts: PlanOptions) -
             "total": check_time, "label": label, "device": device, "device_name": device_name,
             "rank": _rank(time_cls), "components": {k: v.as_dict() for k, v in main_comps.items()},
         },
+        "check_comm_bytes_per_rank": comm["per_rank"],
+        "check_comm_bytes_writer": comm["writer"],
+        "check_comm": comm,
         "step_time_s": step_time,
         "step_time_source": step_source,
         "overhead_share": check_time / opts.interval / step_time,
@@ -412,6 +417,9 @@ def format_table(report: dict) -> str:
         f"({s['bytes_per_element']} B/elem)",
         f"snapshots: {report['snapshot_mib_per_rank']:.1f} MiB on the most loaded rank {report['snapshot_rank']}",
         f"check FLOPs: {report['check_flops_per_rank']['total']:.3e} on rank {report['check_flops_per_rank']['rank']}",
+        f"check records exchange: {report['check_comm_bytes_writer']:,} bytes on the writer, at most "
+        f"{report['check_comm_bytes_per_rank']:,} on any other rank ({report['check_comm']['reporting_ranks']} "
+        "reporting ranks)",
         "",
         f"{'component':<22}{'units':>8}{'unit [s]':>12}{'total [s]':>12}  {'label':<20}"
         f"{'ref GPU [s]':>12}",

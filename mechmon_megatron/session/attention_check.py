@@ -20,10 +20,10 @@ from mechmon_megatron.monitors.update_spectrum import (
 )
 from mechmon_megatron.session import names
 from mechmon_megatron.session.host import FullQK, QKWeights
-from mechmon_megatron.session.records import CheckOutput, NonFinite, Partial, Stream
+from mechmon_megatron.session.records import CheckOutput, Family, NonFinite, Partial, Stream
 
-ATTN_DELTA2 = "attn_delta2"
-ATTN_DW = "attn_dw"
+ATTN_DELTA2 = Family.ATTN_DELTA2
+ATTN_DW = Family.ATTN_DW
 
 
 def _finite(*tensors: torch.Tensor) -> bool:
@@ -82,7 +82,7 @@ def check_heads(
         if not valid[i] and fro[i] == 0.0:
             continue  # no update in the window (e.g. frozen layer): nothing to judge
         streams.append(Stream(name=names.attn("delta2_entropy", layer_number, head), family=ATTN_DELTA2, value=value,
-                              layer_number=layer_number, head=head))
+                              layer_number=layer_number, member=f"head_{head}", head=head))
         if per_head_scalars:
             scalars[names.attn("delta2_entropy", layer_number, head)] = Partial("value", value)
     return CheckOutput(scalars=scalars, streams=streams)
@@ -127,5 +127,5 @@ def check_full(
     for metric, value, valid in (("dw_entropy", hq, valid_q), ("dwk_entropy", hk, valid_k)):
         if valid:
             streams.append(Stream(name=names.attn(metric, layer_number), family=ATTN_DW, value=value,
-                                  layer_number=layer_number))
+                                  layer_number=layer_number, member=metric))
     return CheckOutput(scalars=scalars, streams=streams)

@@ -93,6 +93,12 @@ class MechmonConfig:
     strict: bool = False
     """Re-raise monitor exceptions (default: log them, count them in ``mechmon/errors``, go on)."""
 
+    collective_timeout: float = 120.0
+    """Seconds one monitor collective may wait for its peers (mechmon's own process groups,
+    ``session/collective_guard.py``); far below the host's ``--distributed-timeout-minutes``, so a
+    failure inside a monitor collective turns the monitors off (or, under ``strict``, stops every
+    rank) before training's own communicators time out."""
+
     per_head_scalars: bool = False
     """Write one scalar per head (many series); by default only layer mean/min and worst head."""
 
@@ -172,6 +178,12 @@ class MechmonConfig:
         _require(self.full_matrix_rank >= 1, "full-matrix-rank", f"must be >= 1, got {self.full_matrix_rank}")
         _require(
             self.wq_norm_power_iters >= 0, "wq-norm-power-iters", f"must be >= 0, got {self.wq_norm_power_iters}"
+        )
+        _require(
+            isinstance(self.collective_timeout, (int, float)) and not isinstance(self.collective_timeout, bool)
+            and math.isfinite(self.collective_timeout) and self.collective_timeout > 0,
+            "collective-timeout",
+            f"must be a finite number of seconds > 0, got {self.collective_timeout!r}",
         )
         _require(self.drill_at is None or self.drill_at >= 1, "drill-at", f"must be >= 1, got {self.drill_at}")
         _require(self.router_entropy_bins >= 8, "router-entropy-bins", f"must be >= 8, got {self.router_entropy_bins}")

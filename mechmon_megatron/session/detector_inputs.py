@@ -1,7 +1,10 @@
 """The detector's inputs, from the session's streams online or from recorded scalars offline.
 
-Both paths go through :func:`observation`, so a replay of ``mechmon_scalars.jsonl`` (with
-``--mechmon-per-head-scalars``) feeds the detector exactly what the session fed it online.
+Online, a stream names its family, layer and member itself (:func:`stream_observation`, typed:
+``records.Family``). Offline, a replay of ``mechmon_scalars.jsonl`` (with
+``--mechmon-per-head-scalars``) has names only: :func:`observation` parses them back
+(the table below), and the same observation results, so the replay feeds the detector exactly
+what the session fed it online (``tests/research/study/test_online_replay.py``).
 
 =================  ====================================================  ===================
 family             scalar (stream) name                                   member
@@ -23,8 +26,11 @@ from typing import Optional
 
 from mechmon_megatron.detect.pooled_cusum import Observation
 from mechmon_megatron.session import names
+from mechmon_megatron.session.records import Family, Stream
 
-__all__ = ["observation", "observations_from_scalars", "stream_family"]
+FAMILIES = frozenset(f.value for f in Family)
+
+__all__ = ["observation", "observations_from_scalars", "stream_family", "stream_observation"]
 
 _PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(rf"^{names.PREFIX}/attn/(delta2_entropy)/layer_(\d+)/(head_\d+)$"), "attn_delta2"),
@@ -61,6 +67,18 @@ def observation(
     return Observation(
         family=family, layer=layer, member=member, value=float(value), limit=limit, limit_reason=limit_reason
     )
+
+
+def stream_observation(stream: Stream) -> Optional[Observation]:
+    """The detector observation of one online stream, from its typed fields (no name parsing);
+    a record without a member (written before it existed) falls back to its name."""
+    if not stream.member:
+        return observation(stream.name, stream.value, stream.limit, stream.limit_reason)
+    family = stream.family.value if isinstance(stream.family, Family) else str(stream.family)
+    if family not in FAMILIES:
+        return None
+    return Observation(family=family, layer=int(stream.layer_number), member=stream.member, value=float(stream.value),
+                       limit=stream.limit, limit_reason=stream.limit_reason)
 
 
 def observations_from_scalars(scalars: Mapping[str, float]) -> list[Observation]:

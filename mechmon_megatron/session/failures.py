@@ -16,6 +16,8 @@ import logging
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
+from mechmon_megatron.session.collective_guard import CollectivesOff
+
 logger = logging.getLogger(__name__)
 
 FAILED: Any = type("Failed", (), {"__repr__": lambda self: "<mechmon: phase failed>"})()
@@ -68,6 +70,8 @@ class FailureLog:
         """``fn(*args)``, or :data:`FAILED` after recording the exception (never raises)."""
         try:
             return fn(*args)
+        except CollectivesOff:  # skipped, not failed: the collective that failed was recorded once
+            return FAILED
         except Exception as exc:  # noqa: BLE001 -- a monitor must never kill training on its own
             self.record(phase, layer, iteration, exc)
             return FAILED

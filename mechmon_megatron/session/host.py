@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
 from mechmon_megatron.monitors.router import summarize_routing
+from mechmon_megatron.session import collective_guard, payload_codec
+from mechmon_megatron.session.records import Verdict
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +84,9 @@ class AttentionSite:
     name: str = ""
     snapshot_budget: Optional[SnapshotBudget] = None
     """For the start-up memory log and the snapshot placement (None: unknown until read)."""
+    reports: Optional[bool] = None
+    """Whether this rank does the layer's per-head or full-matrix work (sends records at a check);
+    None: unknown (from ``snapshot_budget``, or assumed)."""
 
 
 @dataclass
@@ -145,17 +150,35 @@ class RouterSite:
         return out
 
 
+REPORTING = "reporting"
+"""mechmon's group of the ranks that send records at a check (and the writer)."""
+
+
 class Communicator(Protocol):
-    """Collectives the session needs across the whole job (every rank calls each, same order)."""
+    """Collectives the session needs across the whole job (every rank calls each, same order,
+    except :meth:`gather_reports`, which only the reporting ranks and the writer call)."""
 
     is_writer: bool
     rank: int
 
+    def set_reporting(self, reports: bool) -> None:
+        """Start-up, before the session makes its groups: whether this rank sends records at checks."""
+
+    def sum_over_ranks(self, values: Sequence[float]) -> list[float]:
+        """The sum of ``values`` (a few numbers, the same count on every rank) over every rank."""
+
+    def gather_reports(self, payload: Any) -> Optional[list]:
+        """The reporting ranks' payloads on the writer (None elsewhere); reporting ranks only."""
+
     def gather_to_writer(self, obj: Any) -> Optional[list]:
         """Gather one picklable object per rank on the writer rank (None elsewhere)."""
 
-    def broadcast_from_writer(self, obj: Any) -> Any:
-        """Return the writer's picklable ``obj`` on every rank (the decision of a check)."""
+    def broadcast_verdict(self, verdict: Optional[Verdict]) -> Verdict:
+        """The writer's verdict on every rank: one small tensor, plus its objects only when it
+        carries any (an alarm's alerts, a strict stop)."""
+
+    def first_problem(self, problem: Optional[str]) -> Optional[tuple[int, str]]:
+        """Start-up: ``(rank, its problem)`` of the lowest rank that has one, on every rank (None: none)."""
 
 
 class LocalCommunicator:
@@ -164,28 +187,39 @@ class LocalCommunicator:
     is_writer = True
     rank = 0
 
+    def set_reporting(self, reports: bool) -> None:
+        return None
+
+    def sum_over_ranks(self, values: Sequence[float]) -> list[float]:
+        return [float(v) for v in values]
+
+    def gather_reports(self, payload: Any) -> Optional[list]:
+        return [payload]
+
     def gather_to_writer(self, obj: Any) -> Optional[list]:
         return [obj]
 
-    def broadcast_from_writer(self, obj: Any) -> Any:
-        return obj
+    def broadcast_verdict(self, verdict: Optional[Verdict]) -> Verdict:
+        assert verdict is not None  # the one rank is the writer
+        return verdict
+
+    def first_problem(self, problem: Optional[str]) -> Optional[tuple[int, str]]:
+        return None if problem is None else (0, problem)
 
 
 class TorchDistributedCommunicator:
     """torch.distributed over a process group (default: WORLD); writer = a given global rank.
 
     Megatron-LM's TensorBoard writer lives on the last rank, hence the default ``writer_rank=-1``.
+    Every collective runs through this process's :class:`~mechmon_megatron.session.collective_guard.CollectiveGuard`
+    (mechmon's own copy of ``group``, bounded by ``--mechmon-collective-timeout``).
     """
 
     def __init__(self, group: Any = None, writer_rank: int = -1, device: Optional[torch.device] = None) -> None:
         import torch.distributed as dist
 
-        self._dist = dist
-        # NCCL collectives need a CUDA tensor; gloo a CPU one.
-        if device is None:
-            backend = dist.get_backend(group)
-            device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        self._device = device
+        self.guard = collective_guard.guard()
+        self.guard.declare(group)
         self._group = group
         world = dist.get_world_size(group)
         self.writer_rank = writer_rank % world
@@ -193,18 +227,93 @@ class TorchDistributedCommunicator:
         self.global_rank = dist.get_rank()
         self.is_writer = self.rank == self.writer_rank
         self._world = world
+        self._global_writer = writer_rank % world if group is None else dist.get_global_rank(group, self.writer_rank)
+        self.reports = True
+        self._sent_schema: Optional[tuple] = None  # the payload structure this rank sent last
+        self._schemas: dict[int, tuple] = {}  # the writer's: each reporting rank's last structure
 
-    def _global_writer(self) -> int:
-        if self._group is None:
-            return self.writer_rank
-        return self._dist.get_global_rank(self._group, self.writer_rank)
+    def set_reporting(self, reports: bool) -> None:
+        self.reports = bool(reports) or self.is_writer
+        self.guard.declare_member(REPORTING, self.reports)
 
-    def gather_to_writer(self, obj: Any) -> Optional[list]:
-        out = [None] * self._world if self.is_writer else None
-        self._dist.gather_object(obj, out, dst=self._global_writer(), group=self._group)
+    def sum_over_ranks(self, values: Sequence[float]) -> list[float]:
+        work = torch.tensor([float(v) for v in values], dtype=torch.float64,
+                            device=collective_guard.group_device(self._group))
+        self.guard.all_reduce(work, self._group, "the check's failure and error counts")
+        return [float(v) for v in work.tolist()]
+
+    def gather_reports(self, payload: Any) -> Optional[list]:
+        """The reporting ranks' payloads on the writer, as numbers (``session/payload_codec.py``):
+
+        1. one all-reduce (MAX) over the reporting ranks: the longest row, and whether any rank
+           has objects to send (a changed schema, a non-finite report, a stream beyond its limit);
+        2. one tensor gather of every reporting rank's float64 row ``[n, has_objects, values, pad]``;
+        3. only when some rank has objects: one object gather of them.
+        """
+        members = self.guard.members(REPORTING)
+        dst = members.ranks.index(self._global_writer)
+        what = "the reporting ranks' records to the writer"
+        schema, values, extras = payload_codec.encode(payload)
+        changed = schema != self._sent_schema
+        objects = {"schema": schema, **extras} if changed else extras
+        device = collective_guard.group_device(None)
+        head = torch.tensor([len(values), 1 if objects else 0], dtype=torch.float64, device=device)
+        self.guard.all_reduce(head, members, what, op=_max_op())
+        width, any_objects = int(head[0].item()), bool(head[1].item())
+        row = torch.zeros(2 + width, dtype=torch.float64)
+        row[0], row[1] = len(values), 1 if objects else 0
+        row[2 : 2 + len(values)] = torch.tensor(values, dtype=torch.float64)
+        rows = self.guard.gather(row.to(device), dst, members, what)
+        sent = self.guard.gather_objects(objects or None, dst, members, what) if any_objects else None
+        self._sent_schema = schema
+        if rows is None:
+            return None
+        out = []
+        for index, received in enumerate(rows):
+            received = received.cpu()
+            extra = (sent[index] if sent is not None else None) or {}
+            if "schema" in extra:
+                self._schemas[index] = extra["schema"]
+            count = int(received[0].item())
+            out.append(payload_codec.decode(self._schemas[index], received[2 : 2 + count].tolist(), extra))
         return out
 
-    def broadcast_from_writer(self, obj: Any) -> Any:
-        box = [obj if self.is_writer else None]
-        self._dist.broadcast_object_list(box, src=self._global_writer(), group=self._group, device=self._device)
-        return box[0]
+    def gather_to_writer(self, obj: Any) -> Optional[list]:
+        return self.guard.gather_objects(obj, self.writer_rank, self._group, "the failure records to the writer")
+
+    def broadcast_verdict(self, verdict: Optional[Verdict]) -> Verdict:
+        mine = verdict if self.is_writer else None
+        head = [int(mine.alarm), int(mine.carries_objects)] if mine is not None else [0, 0]
+        flag = torch.tensor(head, dtype=torch.int64, device=collective_guard.group_device(self._group))
+        self.guard.broadcast(flag, self.writer_rank, self._group, "the writer's decision")
+        alarm, carries = (bool(v) for v in flag.tolist())
+        if not carries:
+            return Verdict(alarm=alarm)
+        alerts, stop = self.guard.broadcast_object(
+            (verdict.alerts, verdict.stop) if (self.is_writer and verdict is not None) else None,
+            self.writer_rank, self._group, "the alarm's alert records")
+        return Verdict(alarm=alarm, alerts=list(alerts), stop=stop)
+
+    def first_problem(self, problem: Optional[str]) -> Optional[tuple[int, str]]:
+        """One int64 all-reduce (MIN of the ranks with a problem); the lowest such rank then
+        broadcasts its message, so every rank raises the same one."""
+        flag = torch.tensor([self.rank if problem is not None else self._world], dtype=torch.int64,
+                            device=collective_guard.group_device(self._group))
+        self.guard.all_reduce(flag, self._group, "the start-up agreement", op=_min_op())
+        first = int(flag.item())
+        if first >= self._world:
+            return None
+        message = self.guard.broadcast_object(problem, first, self._group, "the start-up refusal")
+        return first, str(message)
+
+
+def _min_op() -> Any:
+    import torch.distributed as dist
+
+    return dist.ReduceOp.MIN
+
+
+def _max_op() -> Any:
+    import torch.distributed as dist
+
+    return dist.ReduceOp.MAX

@@ -4,17 +4,36 @@
   it across ranks (``mean``: a sum and a count; ``min``; ``value``: produced by one rank only);
 * :class:`Stream` -- one detector input (a series value at this check, with its attribution);
 * :class:`NonFinite` -- a non-finite weight or logit report, naming its layer;
-* :class:`CheckOutput` -- what one site's check returns: scalars, streams, non-finite reports.
+* :class:`CheckOutput` -- what one site's check returns: scalars, streams, non-finite reports;
+* :class:`Payload` -- what one reporting rank sends the writer at a check;
+* :class:`Verdict` -- the writer's decision, returned to every rank;
+* :class:`Family` -- the detector's families (a stream names its own: no name parsing online).
 
-All are plain dataclasses: they travel from every rank to the writer in one gather (pickled).
+All are plain dataclasses. At a check every rank adds its failure count and error count to one
+small all-reduce; only the ranks that report (own a layer's per-head or full-matrix work, or a
+router's report) and the writer gather their payloads; the decision returns as one small tensor,
+and only an alarm or a strict stop carries objects (``session/host.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from enum import Enum
+from typing import Any, Literal, Optional
 
 Reduction = Literal["mean", "min", "value"]
+
+
+class Family(str, Enum):
+    """A detector family (``detect.pooled_cusum.FAMILY_DIRECTIONS``); compares equal to its name."""
+
+    ATTN_DELTA2 = "attn_delta2"
+    ATTN_DW = "attn_dw"
+    ROUTER_ENTROPY = "router_entropy"
+    ROUTER_WEIGHTS = "router_weights"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True)
@@ -37,8 +56,12 @@ class Stream:
 
     name: str
     family: str
+    """A :class:`Family` (a plain string in records read back from JSON)."""
     value: float
     layer_number: int
+    member: str = ""
+    """The stream within its layer (``head_H``, ``dw_entropy`` / ``dwk_entropy``, ``token_entropy``,
+    ``weight_similarity``); empty in records written before it existed (their name is parsed)."""
     head: Optional[int] = None
     limit: Optional[float] = None
     """Absolute limit in stream units (out of band beyond it until the stream has a baseline), or None."""
@@ -61,6 +84,39 @@ class CheckOutput:
     scalars: dict[str, Partial] = field(default_factory=dict)
     streams: list[Stream] = field(default_factory=list)
     nonfinite: list[NonFinite] = field(default_factory=list)
+
+
+@dataclass
+class Payload:
+    """One reporting rank's records of one check (the writer's own included).
+
+    ``layers``: family -> the global layer numbers this rank's sites feed (the job shape);
+    ``failures``: the :class:`~mechmon_megatron.session.failures.PhaseFailure` records of this rank
+    (sent by every rank, reporting or not, only when some rank failed); ``overhead_s``: session
+    seconds since the previous check.
+    """
+
+    rank: int
+    layers: dict[str, list[int]] = field(default_factory=dict)
+    scalars: list[dict[str, Partial]] = field(default_factory=list)
+    streams: list[Stream] = field(default_factory=list)
+    nonfinite: list[NonFinite] = field(default_factory=list)
+    overhead_s: float = 0.0
+
+
+@dataclass
+class Verdict:
+    """The writer's decision of one check, the same on every rank after the broadcast."""
+
+    alarm: bool = False
+    alerts: list[Any] = field(default_factory=list)
+    """:class:`~mechmon_megatron.session.alert.Alert` records (objects: only when there is an alarm)."""
+    stop: Optional[str] = None
+    """Under ``--mechmon-strict``: the message every rank raises."""
+
+    @property
+    def carries_objects(self) -> bool:
+        return bool(self.alerts) or self.stop is not None
 
 
 def merge_partials(partials: list[dict[str, Partial]]) -> dict[str, float]:

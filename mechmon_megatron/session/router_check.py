@@ -33,10 +33,10 @@ from mechmon_megatron.monitors.router import (
 )
 from mechmon_megatron.session import names
 from mechmon_megatron.session.host import RouterSite
-from mechmon_megatron.session.records import CheckOutput, NonFinite, Partial, Stream
+from mechmon_megatron.session.records import CheckOutput, Family, NonFinite, Partial, Stream
 
-ROUTER_ENTROPY = "router_entropy"
-ROUTER_WEIGHTS = "router_weights"
+ROUTER_ENTROPY = Family.ROUTER_ENTROPY
+ROUTER_WEIGHTS = Family.ROUTER_WEIGHTS
 
 NON_SOFTMAX_FLOOR_NOTICE = (
     "[mechmon] MoE routers with the {score} score function (layers {layers}): the routing entropy is that of "
@@ -103,7 +103,7 @@ def router_output(
         names.router("eps", layer): Partial("value", eps),
     }
     streams = [Stream(name=names.router("weight_similarity", layer), family=ROUTER_WEIGHTS, value=similarity,
-                      layer_number=layer)]
+                      layer_number=layer, member="weight_similarity")]
     nonfinite: list[NonFinite] = []
     if float(total.num_nonfinite) > 0:
         message = f"layer {layer}: {int(total.num_nonfinite)} tokens with non-finite router logits"
@@ -136,6 +136,6 @@ def router_output(
             )
         streams.append(
             Stream(name=names.router("token_entropy", layer), family=ROUTER_ENTROPY, value=entropy, layer_number=layer,
-                   limit=entropy_floor, limit_reason=limit_reason)
+                   member="token_entropy", limit=entropy_floor, limit_reason=limit_reason)
         )
     return CheckOutput(scalars=scalars, streams=streams, nonfinite=nonfinite)

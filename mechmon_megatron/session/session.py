@@ -26,11 +26,11 @@ from typing import Optional, Sequence
 import torch
 
 from mechmon_megatron.detect.pooled_cusum import PooledCusumDetector
-from mechmon_megatron.session import names
+from mechmon_megatron.session import collective_guard, names
 from mechmon_megatron.session.alert import Alert, AlertReport
 from mechmon_megatron.session.attention_check import check_full, check_heads
 from mechmon_megatron.session.config import MechmonConfig
-from mechmon_megatron.session.detector_inputs import observation
+from mechmon_megatron.session.detector_inputs import stream_observation
 from mechmon_megatron.session.detector_setup import (
     alert_of,
     build_detector,
@@ -47,12 +47,13 @@ from mechmon_megatron.session.failures import (
     strict_stop_message,
 )
 from mechmon_megatron.session.host import AttentionSite, Communicator, LocalCommunicator, RouterSite
-from mechmon_megatron.session.records import CheckOutput, merge_partials
+from mechmon_megatron.session.records import CheckOutput, Payload, Verdict, merge_partials
 from mechmon_megatron.session.router_check import empty_vector, local_router_vector, router_output
 from mechmon_megatron.session.snapshots import (
     SnapshotStore,
     describe_budget,
     resolve_placement,
+    site_bytes,
     snapshot_bytes,
     weights_device,
 )
@@ -106,6 +107,18 @@ class MonitoringSession:
         self._router_floors = [config.router_entropy_floor(s.num_experts, s.topk) for s in self.router_sites]
         self.comm = comm or LocalCommunicator()
         self.rank = int(getattr(self.comm, "global_rank", getattr(self.comm, "rank", 0)))
+        self.guard = getattr(self.comm, "guard", None) or collective_guard.guard()
+        self.guard.configure(config.collective_timeout)
+        self._reporting = self._reports() or self.comm.is_writer
+        if hasattr(self.comm, "set_reporting"):
+            self.comm.set_reporting(self._reporting)
+        self.guard.create_declared()  # every rank: mechmon's own copies of the groups the sites use
+        self.off: Optional[str] = None
+        """Why the monitors are off on every rank (a monitor collective failed somewhere); None: on."""
+        self.last_check_comm: Optional[dict] = None
+        """The last check's monitor collectives on this rank (``CommCounter.take``): ``reads`` (the
+        weights' gathers, the routers' all-reduces) and ``records`` (the records to the writer and
+        the decision back)."""
         self.writer = writer or WriterGroup()
         for router in self.router_sites:
             router.num_bins = config.router_entropy_bins
@@ -123,7 +136,7 @@ class MonitoringSession:
         self.alerts: list[Alert] = []
         budget = snapshot_bytes(config, self.attention_sites)
         device = weights_device(self.attention_sites)
-        self.snapshots = SnapshotStore(resolve_placement(config, budget, device))
+        self.snapshots = SnapshotStore(self._agreed_placement(config, budget, device))
         if self.attention_sites:
             # Many sets at once (delta >> interval) is a memory cost the user should see, not only read.
             level = logging.WARNING if config.overlap > QUIET_SNAPSHOT_SETS else logging.INFO
@@ -136,6 +149,37 @@ class MonitoringSession:
         if config.enabled and config.alert_webhook and self.comm.is_writer:
             self._webhook = WebhookPoster(config.alert_webhook)
 
+    def _reports(self) -> bool:
+        """Whether this rank produces records at a check (a layer's per-head or full-matrix work, a
+        router's report): only such ranks send the writer a payload. Known from the layout."""
+        for site in self.attention_sites:
+            if site.reports is None:
+                budget = site.snapshot_budget
+                if budget is None or budget.heads_elements or budget.full_elements:
+                    return True
+            elif site.reports:
+                return True
+        return any(router.reports for router in self.router_sites)
+
+    def _agreed_placement(self, config: MechmonConfig, budget: Optional[int], device: torch.device) -> str:
+        """This rank's snapshot placement, after every rank agreed that all can start (one all-reduce).
+
+        A rank whose snapshots cannot fit (or whose start-up raised) makes every rank raise the
+        same ``ValueError``, naming that rank, the layer and the flag, instead of stopping alone.
+        """
+        placement = "device"
+        problem: Optional[str] = None
+        try:
+            placement = resolve_placement(config, budget, device, layers=site_bytes(config, self.attention_sites))
+        except Exception as exc:  # noqa: BLE001 -- agreed below, raised on every rank
+            problem = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+        first = self.comm.first_problem(problem) if hasattr(self.comm, "first_problem") else (
+            None if problem is None else (self.rank, problem))
+        if first is not None:
+            rank, message = first
+            raise ValueError(f"mechmon cannot start on every rank: rank {rank}: {message} (every rank stops)")
+        return placement
+
     @property
     def errors(self) -> int:
         """Monitor failures caught on this rank so far (the writer sums them in ``mechmon/errors``)."""
@@ -144,12 +188,16 @@ class MonitoringSession:
     # ------------------------------------------------------------------ host hooks
     def on_train_start(self, iteration: int) -> None:
         """Take the first snapshot if the schedule needs one at the starting iteration."""
-        if self.enabled and self.config.is_snapshot_step(iteration):
+        if self.enabled and self.off is None and self.config.is_snapshot_step(iteration):
             self._timed(self._take_snapshot, iteration)
+            off = self._agree_collectives(iteration)
+            if off is not None and off.stop is not None:
+                raise MechmonStrictError(off.stop)
 
     def on_step_start(self, iteration: int) -> bool:
         """Arm router-logit capture for a check step; returns whether capture is on."""
-        if not self.enabled:
+        if not self.enabled or self.off is not None:
+            self.capturing = False
             return False
         self.capturing = bool(self.router_sites) and self.config.is_check_step(iteration)
         if self.capturing:
@@ -164,7 +212,8 @@ class MonitoringSession:
 
     def on_step_end(self, iteration: int) -> Decision:
         """Run the check / snapshot due at ``iteration`` and return the agreed decision."""
-        if not self.enabled:
+        if not self.enabled or self.off is not None:
+            self.capturing = False
             return Decision(iteration)
         self._step_start = time.perf_counter()
         decision = Decision(iteration)
@@ -179,6 +228,16 @@ class MonitoringSession:
         self.capturing = False
         if self.config.is_snapshot_step(iteration):
             self._take_snapshot(iteration)
+        if self.config.is_check_step(iteration) or self.config.is_snapshot_step(iteration):
+            self.guard.counter.take()  # the snapshot's reads since the check are not the check's records
+            off = self._agree_collectives(iteration)
+            agreement = self.guard.counter.take()
+            last = self.last_check_comm
+            if last is not None and last["iteration"] == iteration:  # the check's end-of-step agreement
+                for key in ("sent_bytes", "received_bytes", "seconds", "calls"):
+                    last["records"][key] += agreement[key]
+            if off is not None:
+                decision = off
         self._overhead_s += time.perf_counter() - self._step_start
         if decision.stop is not None:
             if not (decision.alarm and self.config.action == "checkpoint-and-abort"):
@@ -190,6 +249,39 @@ class MonitoringSession:
             decision.exit_code = self.config.exit_code
             self._pending_abort = decision
         return decision
+
+    def _agree_collectives(self, iteration: int) -> Optional[Decision]:
+        """End of a step with monitor collectives: every rank learns whether all of them are still
+        on (``CollectiveGuard.agree_up``). When not, the monitors turn off on every rank at this
+        step -- or, under ``--mechmon-strict``, the returned decision stops every rank."""
+        if self.guard.agree_up():
+            return None
+        timeout = self.guard.timeout_s
+        cause = self.guard.down or "a peer rank's monitor collective failed or timed out"
+        self.off = cause
+        self.capturing = False
+        self.snapshots = SnapshotStore(self.snapshots.placement)  # nothing is compared across the gap
+        if self.config.strict:
+            stop = (f"mechmon monitor failed and --mechmon-strict is set; every rank stops: a monitor collective "
+                    f"failed or timed out at iteration {iteration} (--mechmon-collective-timeout {timeout:g} s); "
+                    f"on rank {self.rank}: {cause}")
+            return Decision(iteration, stop=stop)
+        logger.error(
+            "[mechmon] a monitor collective failed or timed out at iteration %d (--mechmon-collective-timeout %g s): "
+            "the monitors are off on every rank from now on (on rank %d: %s). Training goes on, NOT watched "
+            "(mechmon/active = 0); training's own communicators were not used; --mechmon-strict stops the job "
+            "instead", iteration, timeout, self.rank, cause)
+        if self.comm.is_writer:  # TensorBoard must say so too: no check will write again
+            self.failures.run("write", None, iteration, self._write,
+                              {names.ACTIVE: 0.0, names.ERRORS: float(self.failures.errors)}, iteration)
+        return None
+
+    def run_host_collective(self, phase: str, iteration: int, fn, what: str) -> object:
+        """A collective the host issues for the monitors (``CollectiveGuard.host_collective``), inside
+        the failure log: returns ``fn()``'s value or ``FAILED``. Runs on every rank by the schedule."""
+        if not self.enabled:
+            return fn()
+        return self.failures.run(phase, None, iteration, self.guard.host_collective, fn, what)
 
     def on_checkpoint_saved(self, iteration: int, path: Optional[str]) -> None:
         """Record a regular checkpoint (for the 'last good checkpoint' in the alert)."""
@@ -289,6 +381,7 @@ class MonitoringSession:
         cfg = self.config
         log = self.failures
         outputs: list[CheckOutput] = []
+        self.guard.counter.take()  # this check's collectives from here on
         snapshot = self.snapshots.pop(iteration)
         # No snapshot (e.g. the first check after a resume) is the same on every rank, since all
         # ranks follow one schedule; the reads below are collectives, so all skip them together.
@@ -311,20 +404,47 @@ class MonitoringSession:
         for router, floor in zip(self.router_sites, self._router_floors):
             outputs.append(self._router_check(iteration, router, floor))
         outputs = [o for o in outputs if o is not None and o is not FAILED]
-        gathered = self.comm.gather_to_writer(self._payload(iteration, outputs))
-
-        verdict: dict = {"alarm": False, "alerts": [], "stop": None}
-        if self.comm.is_writer:
-            assert gathered is not None  # the writer receives every rank's payload
-            verdict = self._verdict(iteration, gathered, drill)
-        verdict = self.comm.broadcast_from_writer(verdict)  # the one decision, on every rank
+        reads = self.guard.counter.take()  # the weights' gathers and the routers' all-reduces
+        try:
+            verdict = self._exchange(iteration, outputs, drill)
+        except (collective_guard.CollectiveFailure, collective_guard.CollectivesOff) as exc:
+            # This rank is down: the end-of-step agreement turns the monitors off on every rank.
+            if isinstance(exc, collective_guard.CollectiveFailure):
+                log.record("decision", None, iteration, exc)
+            verdict = Verdict()
+        self.last_check_comm = {"iteration": int(iteration), "reads": reads, "records": self.guard.counter.take()}
         self._overhead_s = 0.0
         self._step_start = time.perf_counter()  # what follows is counted towards the next check
-        alerts = list(verdict["alerts"])
+        alerts = list(verdict.alerts)
         # A drill alarms on every rank even if the writer's decision failed: all know the step.
         if drill and not alerts:
             alerts = [_drill_alert(iteration)]
-        return Decision(iteration, alarm=bool(verdict["alarm"]) or drill, alerts=alerts, stop=verdict["stop"])
+        return Decision(iteration, alarm=verdict.alarm or drill, alerts=alerts, stop=verdict.stop)
+
+    def _exchange(self, iteration: int, outputs: list[CheckOutput], drill: bool) -> Verdict:
+        """The check's records to the writer and its verdict back (``session/host.py``).
+
+        1. every rank: its failure and error counts in one all-reduce (two float64);
+        2. the reporting ranks (and the writer) only: their payloads to the writer;
+        3. only when some rank failed: every rank's failure records to the writer;
+        4. every rank: the verdict, one small tensor, plus the alerts when there is an alarm.
+        """
+        payload = self._payload(iteration, outputs)
+        failures = self.failures.take()
+        errors_now = self.failures.errors
+        total_failures, total_errors = self.comm.sum_over_ranks([len(failures), errors_now])
+        gathered = self.comm.gather_reports(payload) if self._reporting else None
+        every_failure: list[PhaseFailure] = []
+        if total_failures > 0:
+            per_rank = self.comm.gather_to_writer(failures)
+            every_failure = [f for part in per_rank or [] for f in part]
+        verdict: Optional[Verdict] = None
+        if self.comm.is_writer:
+            assert gathered is not None  # the writer receives every reporting rank's payload
+            # Errors of the other ranks; the writer's own count grows while it decides.
+            others = total_errors - errors_now
+            verdict = self._verdict(iteration, gathered, every_failure, others, drill)
+        return self.comm.broadcast_verdict(verdict)  # the one decision, on every rank
 
     def _router_check(self, iteration: int, router: RouterSite, floor: Optional[float]):
         """One router: local summary, the all-reduce (every rank, always), the reporting rank's output.
@@ -342,7 +462,9 @@ class MonitoringSession:
         marked = log.run("router", layer, iteration, _with_failure_mark, local, failed)
         if marked is FAILED:  # never skip the all-reduce: the peers are already on their way to it
             marked = _with_failure_mark(empty_vector(router, cfg.router_entropy_bins), True)
-        total = router.reduce_sum(marked)
+        total = log.run("router", layer, iteration, router.reduce_sum, marked)
+        if total is FAILED:  # the collective itself failed (this rank is down) or a peer's part did
+            return None
         if float(total[-1]) > 0:
             if not failed:
                 logger.warning("[mechmon] router layer %d: a peer rank's summary failed at iteration %d; not reported "
@@ -350,46 +472,46 @@ class MonitoringSession:
             return None
         return log.run("router", layer, iteration, router_output, router, total[:-1], cfg.router_entropy_bins, floor)
 
-    def _payload(self, iteration: int, outputs: list[CheckOutput]) -> dict:
-        """This rank's records for the writer; always picklable (a failed build sends failures only)."""
-        def build() -> dict:
-            payload = {
-                "layers": self._local_layers,
-                "scalars": [o.scalars for o in outputs],
-                "streams": [st for o in outputs for st in o.streams],
-                "nonfinite": [report for o in outputs for report in o.nonfinite],
+    def _payload(self, iteration: int, outputs: list[CheckOutput]) -> Payload:
+        """This rank's records for the writer; always picklable (a failed build sends its layers only)."""
+        def build() -> Payload:
+            payload = Payload(
+                rank=self.rank,
+                layers=self._local_layers,
+                scalars=[o.scalars for o in outputs],
+                streams=[st for o in outputs for st in o.streams],
+                nonfinite=[report for o in outputs for report in o.nonfinite],
                 # Session time since the previous check: snapshots in between plus this check so far.
-                "overhead_s": self._overhead_s + (time.perf_counter() - self._step_start),
-            }
+                overhead_s=self._overhead_s + (time.perf_counter() - self._step_start),
+            )
             pickle.dumps(payload)  # fail here, under the guard, not inside the gather collective
             return payload
 
         payload = self.failures.run("payload", None, iteration, build)
-        if payload is FAILED:
-            payload = {"layers": self._local_layers, "scalars": [], "streams": [], "nonfinite": [], "overhead_s": 0.0}
-        payload["failures"] = self.failures.take()
-        payload["errors"] = self.failures.errors
-        payload["rank"] = self.rank
-        return payload
+        return Payload(rank=self.rank, layers=self._local_layers) if payload is FAILED else payload
 
-    def _verdict(self, iteration: int, gathered: list[dict], drill: bool) -> dict:
-        """Writer rank: the decision every rank will take (alarm, alerts, strict stop)."""
-        alerts = self.failures.run("decision", None, iteration, self._decide, iteration, gathered, drill)
+    def _verdict(self, iteration: int, gathered: list[Payload], failures: list[PhaseFailure], others_errors: float,
+                 drill: bool) -> Verdict:
+        """Writer rank: the decision every rank will take (alarm, alerts, strict stop).
+
+        ``failures``: every rank's failure records of this check (the writer's own so far
+        included); ``others_errors``: the other ranks' cumulative error counts, summed."""
+        alerts = self.failures.run("decision", None, iteration, self._decide, iteration, gathered, bool(failures),
+                                   others_errors, drill)
         if alerts is FAILED:
             alerts = [_drill_alert(iteration)] if drill else []
             # No detector decided: TensorBoard must say so too (the scalars of _decide never came).
-            errors = sum(p["errors"] for p in gathered if p["rank"] != self.rank) + self.failures.errors
+            errors = others_errors + self.failures.errors
             self.failures.run("write", None, iteration, self._write,
                               {names.ACTIVE: 0.0, names.ERRORS: float(errors)}, iteration)
-        failures: list[PhaseFailure] = [f for payload in gathered for f in payload["failures"]]
-        failures += self.failures.take()  # the writer's own, from the decision and the writers
+        failures = list(failures) + self.failures.take()  # the writer's own, from the decision and the writers
         self._quiet.update(iteration, failures)  # one error line per N checks while the monitors are off
         stop = strict_stop_message(failures) if (self.config.strict and failures) else None
-        return {"alarm": bool(alerts), "alerts": alerts, "stop": stop}
+        return Verdict(alarm=bool(alerts), alerts=alerts, stop=stop)
 
-    def _ensure_detector(self, gathered: list[dict]) -> PooledCusumDetector:
+    def _ensure_detector(self, gathered: list[Payload]) -> PooledCusumDetector:
         if self.detector is None:
-            shape = job_shape(self.config, [payload["layers"] for payload in gathered])
+            shape = job_shape(self.config, [payload.layers for payload in gathered])
             self.detector, self.detector_account = build_detector(
                 self.config, shape, self._detector_design, self._tail_table
             )
@@ -407,13 +529,17 @@ class MonitoringSession:
             )
         return self.detector
 
-    def _decide(self, iteration: int, gathered: list[dict], drill: bool = False) -> list[Alert]:
+    def _decide(self, iteration: int, gathered: list[Payload], failed: bool, others_errors: float,
+                drill: bool = False) -> list[Alert]:
         """Writer rank: feed the detector, decide, then write the scalars (a writer failure is
-        logged and never changes the decision). Returns the alarms of this check."""
-        scalars = merge_partials([part for payload in gathered for part in payload["scalars"]])
+        logged and never changes the decision). Returns the alarms of this check.
+
+        ``failed``: some rank recorded a failure at this check; ``others_errors``: the other ranks'
+        cumulative error counts (``mechmon/errors`` adds the writer's own)."""
+        scalars = merge_partials([part for payload in gathered for part in payload.scalars])
         alerts: list[Alert] = [_drill_alert(iteration)] if drill else []
         for payload in gathered:
-            for report in payload["nonfinite"]:
+            for report in payload.nonfinite:
                 alerts.append(
                     Alert(
                         iteration=iteration,
@@ -431,10 +557,7 @@ class MonitoringSession:
                     )
                 )
         observations = [
-            obs
-            for payload in gathered
-            for stream in payload["streams"]
-            if (obs := observation(stream.name, stream.value, stream.limit, stream.limit_reason)) is not None
+            obs for payload in gathered for stream in payload.streams if (obs := stream_observation(stream)) is not None
         ]
         result = self._ensure_detector(gathered).update(iteration, observations)
         alerts.extend(alert_of(alarm, self.config, self._detector_design) for alarm in result.alarms)
@@ -451,13 +574,12 @@ class MonitoringSession:
         scalars.update({f"{names.DETECT_PREFIX}/{key}": value for key, value in result.statistics.items()})
         scalars[names.ALARM] = 1.0 if alerts else 0.0
         # 1: every rank's checks ran and the detector decided (a failure so far makes it 0).
-        failed = any(payload["failures"] for payload in gathered) or bool(self.failures.pending)
-        scalars[names.ACTIVE] = 0.0 if failed else 1.0
+        scalars[names.ACTIVE] = 0.0 if (failed or self.failures.pending) else 1.0
         scalars[names.WARNINGS] = float(len(result.warnings))
         # Cumulative over ranks; the writer's own count includes failures of this decision so far.
-        others = sum(p["errors"] for p in gathered if p["rank"] != self.rank)
-        scalars[names.ERRORS] = float(others + self.failures.errors)
-        scalars[names.OVERHEAD_MS] = 1000.0 * max(p["overhead_s"] for p in gathered)
+        scalars[names.ERRORS] = float(others_errors + self.failures.errors)
+        # The slowest reporting rank (the others only read and gather for them).
+        scalars[names.OVERHEAD_MS] = 1000.0 * max(p.overhead_s for p in gathered)
         self.alerts.extend(alerts)
         for alert in alerts:
             if self.config.action != "log":

@@ -39,6 +39,13 @@ def snapshot_bytes(config: MechmonConfig, sites: Sequence[AttentionSite]) -> Opt
     return per_set * config.overlap
 
 
+def site_bytes(config: MechmonConfig, sites: Sequence[AttentionSite]) -> list[tuple[int, int]]:
+    """``(layer_number, bytes)`` of every site's snapshots on this rank (all sets alive at once;
+    sites of unknown size left out), in site order: names the layer at which a budget overflows."""
+    return [(s.layer_number, b.nbytes(config.full_matrix_dw) * config.overlap)
+            for s in sites if (b := s.snapshot_budget) is not None]
+
+
 def weights_device(sites: Sequence[AttentionSite]) -> torch.device:
     devices = {b.device for s in sites if (b := s.snapshot_budget) is not None}
     return next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
@@ -48,10 +55,29 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def resolve_placement(config: MechmonConfig, nbytes: Optional[int], device: torch.device) -> str:
+def local_world_size() -> int:
+    """Ranks on this node (torchrun's ``LOCAL_WORLD_SIZE``, else Slurm's tasks per node, else 1):
+    they share the host's memory."""
+    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        value = os.environ.get(key, "")
+        head = value.split("(")[0].split(",")[0]  # Slurm may say "8(x2)"
+        if head.isdigit() and int(head) > 0:
+            return int(head)
+    return 1
+
+
+def host_memory_share() -> int:
+    """This rank's share of the host's memory: the node's RAM divided by the ranks on the node."""
+    return host_memory_bytes() // local_world_size()
+
+
+def resolve_placement(config: MechmonConfig, nbytes: Optional[int], device: torch.device,
+                      layers: Sequence[tuple[int, int]] = ()) -> str:
     """``device``, ``cpu`` or ``pinned`` for this rank (``auto`` resolved, CPU jobs: host memory).
 
-    ``ValueError`` naming the flags when the budget cannot fit where it must go.
+    ``ValueError`` naming the flags (and, from ``layers`` = ``site_bytes``, the layer at which the
+    budget overflows) when it cannot fit where it must go: half of the accelerator's memory, or
+    half of this rank's share of the host's memory (``host_memory_share``).
     """
     setting = config.snapshot_device
     if device.type != "cuda":
@@ -65,19 +91,31 @@ def resolve_placement(config: MechmonConfig, nbytes: Optional[int], device: torc
         total = torch.cuda.get_device_properties(device).total_memory
         big = nbytes is not None and nbytes > config.snapshot_max_device_share * total
         placement = "pinned" if big else "device"
-    _check_fits(config, nbytes, device, placement)
+    _check_fits(config, nbytes, device, placement, layers)
     return placement
 
 
-def _check_fits(config: MechmonConfig, nbytes: Optional[int], device: torch.device, placement: str) -> None:
+def _check_fits(config: MechmonConfig, nbytes: Optional[int], device: torch.device, placement: str,
+                layers: Sequence[tuple[int, int]] = ()) -> None:
     if nbytes is None:
         return
     on_device = placement == "device" and device.type == "cuda"
-    capacity = torch.cuda.get_device_properties(device).total_memory if on_device else host_memory_bytes()
+    capacity = torch.cuda.get_device_properties(device).total_memory if on_device else host_memory_share()
     if nbytes > 0.5 * capacity:
-        where = f"{device} ({capacity / MIB:.0f} MiB)" if on_device else f"host memory ({capacity / MIB:.0f} MiB)"
+        ranks = local_world_size()
+        where = (f"{device} ({capacity / MIB:.0f} MiB)" if on_device else
+                 f"this rank's share of host memory ({capacity / MIB:.0f} MiB"
+                 f"{f', 1/{ranks} of the node' if ranks > 1 else ''})")
+        total, at = 0, None
+        for layer, size in layers:  # the layer whose snapshots cross the limit
+            total += size
+            if total > 0.5 * capacity:
+                at = layer
+                break
+        layer_text = f" (the limit is crossed at layer {at})" if at is not None else ""
         raise ValueError(
-            f"mechmon snapshots would hold {nbytes / MIB:.0f} MiB on this rank, more than half of {where}: lower "
+            f"mechmon snapshots would hold {nbytes / MIB:.0f} MiB on this rank{layer_text}, more than half of "
+            f"{where}: lower "
             f"--mechmon-delta (now {config.delta}; {config.overlap} snapshot sets are held at once), pass "
             "--mechmon-no-full-matrix-dw, or choose another --mechmon-snapshot-device"
         )
@@ -172,8 +210,18 @@ class SnapshotStore:
 
 
 def _same_rows(heads: QKWeights, full: FullQK) -> bool:
-    """True when the per-head read covers every head and group of the full read, in order."""
-    if heads.head_offset != 0 or heads.wq.numel() != full.wq.numel() or heads.wk.numel() != full.wk.numel():
+    """True when the per-head read covers every head and group of the full read, in order.
+
+    Decided from the tensors' memory alone (no read of the values, no device synchronisation):
+    both are contiguous views of the same elements of one storage (the site hands out views of
+    one read, e.g. one owner with tensor parallel size 1).
+    """
+    if heads.head_offset != 0:
         return False
-    return bool(torch.equal(heads.wq.reshape(full.wq.shape), full.wq)
-                and torch.equal(heads.wk.reshape(full.wk.shape), full.wk))
+    return _same_memory(heads.wq, full.wq) and _same_memory(heads.wk, full.wk)
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` are the same contiguous elements of one storage (any shapes)."""
+    return (a.numel() == b.numel() and a.dtype == b.dtype and a.device == b.device
+            and a.is_contiguous() and b.is_contiguous() and a.data_ptr() == b.data_ptr())

@@ -12,7 +12,8 @@ about at once (the monitors would then be off while the job looks watched):
 * derived quantities: the per-test false-alarm probability ``R / (N C)`` of the job's tests must
   lie in (0, 1), and the thresholds must follow from it;
 * combinations: ``checkpoint-and-abort`` needs a save folder the host will write;
-  ``--mechmon-log-dir`` must be (or become) a writable folder;
+  ``--mechmon-log-dir`` must be (or become) a writable folder; ``--mechmon-collective-timeout``
+  below half of the host's own collective timeout;
 * the schedule against the run: a check interval, window or drill step that never happens
   within ``--train-iters`` is a warning saying nothing will be checked; more than
   :data:`QUIET_SNAPSHOT_SETS` snapshot sets held at once is a warning with their memory.
@@ -70,6 +71,12 @@ class RunFacts:
     save_flag: Optional[str] = None
     """The host's flag (or config key) that sets ``save_dir``; None: the host needs no folder."""
 
+    host_timeout_s: Optional[float] = None
+    """The host's own collective timeout in seconds (Megatron's ``--distributed-timeout-minutes``)."""
+
+    host_timeout_flag: str = "--distributed-timeout-minutes"
+    """The host's flag (or config key) that sets ``host_timeout_s``."""
+
 
 @dataclass
 class StartupReport:
@@ -115,6 +122,7 @@ def validate_startup(config: MechmonConfig, facts: RunFacts = RunFacts()) -> Sta
             raise ValueError(f"--mechmon-log-dir {config.log_dir!r} {problem}")
     if config.action == "checkpoint-and-abort" and facts.save_flag is not None:
         _check_save_dir(config, facts)
+    _check_collective_timeout(config, facts)
     report.warnings += _schedule_warnings(config, facts)
     return report
 
@@ -160,6 +168,19 @@ def check_detector(config: MechmonConfig, layers: Mapping[str, int]) -> None:
             f"falsely with probability {per_test:.3g} per check, more than P0(S > u0) = {math.exp(lowest):.3g} "
             f"of {family} ({level} test, --mechmon-detector-calibration {source}); use a rate below "
             f"{most:.3g} per 10^6 steps for a check every {config.interval} steps"
+        )
+
+
+def _check_collective_timeout(config: MechmonConfig, facts: RunFacts) -> None:
+    """A monitor collective must give up well before the host's own collectives do: a rank that
+    left a monitor collective early trains on, and its peers must rejoin training before the
+    host's timeout fires (``session/collective_guard.py``)."""
+    host = facts.host_timeout_s
+    if host is not None and config.collective_timeout >= 0.5 * host:
+        raise ValueError(
+            f"--mechmon-collective-timeout {config.collective_timeout:g} s must be below half of the host's "
+            f"{facts.host_timeout_flag} ({host:g} s): a rank whose monitor collective failed trains on, and its "
+            "peers must give up the monitor collective and rejoin training before the host's own timeout fires"
         )
 
 

@@ -11,7 +11,11 @@ Phases (where the exception is raised, on ``MECHMON_INJECT_RANK`` only, at the g
 * ``router``: summarising the router logits in the training forward;
 * ``decision``: the writer rank's detector decision;
 * ``write``: the writer rank's scalar writers (``write@*``: at every write);
-* ``nan@N`` (all ranks): a NaN in layer 1's Q/K weights after step N's update -- a real alarm.
+* ``nan@N`` (all ranks): a NaN in layer 1's Q/K weights after step N's update -- a real alarm;
+* ``collective@N``: ``torch.distributed.all_gather`` itself raises at the call (as a communication
+  library's own out-of-memory or transport error would), inside the session's step N only: the
+  peer is left waiting in the collective. The failing rank writes the wall time of the raise to
+  ``$MECHMON_DECISIONS.inject.json``.
 
 ``MECHMON_INJECT_KIND``: ``error`` (RuntimeError) or ``oom`` (torch.OutOfMemoryError, what a
 CUDA allocation raises). Each rank appends its decisions (iteration, alarm, stop) as JSON lines
@@ -24,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -37,7 +42,7 @@ PLAN: dict[str, set] = {}
 for item in filter(None, os.environ.get("MECHMON_INJECT", "").split(",")):
     phase, _, at = item.partition("@")
     PLAN.setdefault(phase, set()).add(at if at == "*" else int(at))
-STATE = {"iteration": 0}
+STATE = {"iteration": 0, "in_session": False}
 
 
 def _due(phase: str) -> bool:
@@ -77,6 +82,18 @@ def _install() -> None:
         self.read_weight = read_weight
 
     sites._AttentionReader.__init__ = init
+    all_gather = torch.distributed.all_gather
+
+    def failing_all_gather(*args, **kwargs):
+        if STATE["in_session"] and _due("collective"):
+            path = os.environ.get("MECHMON_DECISIONS")
+            if path:
+                with open(f"{path}.inject.json", "w", encoding="utf-8") as f:
+                    json.dump({"rank": RANK, "iteration": STATE["iteration"], "time": time.time()}, f)
+            _fail("collective")
+        return all_gather(*args, **kwargs)
+
+    torch.distributed.all_gather = failing_all_gather
     _wrap(snapshots.SnapshotStore, "take", "snapshot")
     _wrap(session, "check_heads", "kernel")
     _wrap(session, "check_full", "kernel")
@@ -101,14 +118,19 @@ def _install() -> None:
                 for site_reader in self.attention_sites[:1]:
                     weight = site_reader.read_full.__self__.weight
                     weight.view(-1)[0] = float("nan")
+        STATE["in_session"] = True
         try:
             decision = on_step_end(self, iteration)
         except session.MechmonStrictError as exc:
-            _record(path, {"iteration": iteration, "alarm": False, "stop": str(exc), "families": []})
+            _record(path, {"iteration": iteration, "alarm": False, "stop": str(exc), "families": [],
+                           "off": True, "time": time.time()})
             raise
+        finally:
+            STATE["in_session"] = False
         if self.config.is_check_step(iteration) or decision.alarm:
             _record(path, {"iteration": iteration, "alarm": decision.alarm, "stop": decision.stop,
-                           "families": [a.family for a in decision.alerts]})
+                           "families": [a.family for a in decision.alerts], "off": self.off is not None,
+                           "time": time.time()})
         return decision
 
     session.MonitoringSession.on_step_end = step_end

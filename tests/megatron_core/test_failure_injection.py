@@ -29,9 +29,14 @@ MECHMON = ["--mechmon", "--mechmon-interval", "5", "--mechmon-delta", "5"]
 TIMEOUT_S = 240  # a hang in a collective outlasts this (gloo's own timeout is 2 minutes)
 
 
-def _decisions(prefix: Path, rank: int) -> list[dict]:
+def _decisions(prefix: Path, rank: int, times: bool = False) -> list[dict]:
+    """Rank ``rank``'s decision rows (without their wall times unless ``times``)."""
     path = Path(f"{prefix}.rank{rank}.jsonl")
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    if not times:
+        for row in rows:
+            row.pop("time", None)
+    return rows
 
 
 def _launch(tmp_path: Path, inject: str, extra: list[str], kind: str = "error", iters: int = 30):
@@ -103,3 +108,49 @@ def test_writer_failure_never_loses_a_real_alarm(tmp_path: Path):
     alert = json.loads((save / "iter_0000015" / "mechmon_alert.json").read_text())
     assert alert["family"] == "nonfinite" and alert["exit_code"] == 42
     assert "phase write" in results[1].output
+
+
+COLLECTIVE_TIMEOUT_S = 15
+"""--mechmon-collective-timeout of the tests below: the peer waits this long, then gives up (longer
+than the writer's decision may take on a loaded 2-core machine, where the peers wait for it)."""
+
+MARGIN_S = 40
+"""What a rank may take beyond the collective timeout to notice, agree and stop (a loaded machine)."""
+
+
+@pytest.mark.parametrize("strict", [pytest.param(False, marks=pytest.mark.slow), True], ids=["non-strict", "strict"])
+def test_a_collective_that_raises_on_one_rank_ends_in_bounded_time_on_every_rank(tmp_path: Path, strict: bool):
+    """torch.distributed.all_gather raises at the call on rank 1 (the tensor-parallel gather of
+    the check at 5): rank 0 is left inside the collective, on mechmon's own group, and gives up
+    after --mechmon-collective-timeout; then both turn the monitors off and train to the end
+    (exit 0), or under --mechmon-strict both stop with the same message (exit 1, Python's status
+    for the uncaught MechmonStrictError). Before issue 21 rank 0 waited until it was killed.
+    The non-strict case waits the whole timeout (68 s on the loaded 2-core machine): slow leg;
+    tests/session/test_collective_guard.py covers the timeout itself in the fast leg."""
+    extra = ["--mechmon-collective-timeout", str(COLLECTIVE_TIMEOUT_S), *(["--mechmon-strict"] if strict else [])]
+    results, _ = _launch(tmp_path, "collective@5", extra, iters=15)
+    decisions = tmp_path / "decisions"
+    inject = json.loads(Path(f"{decisions}.inject.json").read_text())
+    assert inject["rank"] == 1 and inject["iteration"] == 5
+    rows = [_decisions(decisions, r, times=True) for r in (0, 1)]
+    for rank, result in enumerate(results):
+        assert result.returncode == (1 if strict else 0), f"rank {rank}:\n{result.output[-4000:]}"
+        # Each rank's own decision at the check of the failure: the monitors are off there.
+        at5 = [row for row in rows[rank] if row["iteration"] == 5]
+        assert at5 and at5[0]["off"], rows[rank]
+        assert at5[0]["time"] - inject["time"] <= COLLECTIVE_TIMEOUT_S + MARGIN_S, (rank, at5, inject)
+    if strict:
+        message = ("MechmonStrictError: mechmon monitor failed and --mechmon-strict is set; every rank stops: a "
+                   f"monitor collective failed or timed out at iteration 5 (--mechmon-collective-timeout "
+                   f"{COLLECTIVE_TIMEOUT_S} s)")
+        for rank, result in enumerate(results):
+            assert message in result.output, f"rank {rank}:\n{result.output[-3000:]}"
+        assert [r["iteration"] for r in rows[0]] == [r["iteration"] for r in rows[1]] == [5]
+    else:
+        for rank, result in enumerate(results):
+            assert "the monitors are off on every rank from now on" in result.output, result.output[-3000:]
+            # Training went on to the end; the later checks ran no monitor (off on both ranks).
+            assert [r["iteration"] for r in rows[rank]] == [5, 10, 15] and all(r["off"] for r in rows[rank])
+        # Rank 0 waited in the collective: its own failure names the timeout; rank 1's, the raise.
+        assert f"failed or timed out (--mechmon-collective-timeout {COLLECTIVE_TIMEOUT_S} s)" in results[0].output
+        assert "injected failure in collective" in results[1].output

@@ -53,7 +53,7 @@ WORKER = textwrap.dedent(
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from mechmon_megatron.adapters.megatron_core import main_params
-    from mechmon_megatron.session.collective_guard import PeerFailure
+    from mechmon_megatron.session.collective_guard import PeerFailure, guard
     from mechmon_megatron.adapters.megatron_core.discovery import find_modules
     from gpt_trainer.main import main
 
@@ -96,7 +96,9 @@ WORKER = textwrap.dedent(
                 model, model_source = main_params.weight_reader(weight, ctx.optimizer, self.group, layer=item.name,
                                                                 setting="model")
                 self.items.append((item.name, weight, reader, source, model, model_source))
-                self.initial[item.name] = reader().clone()
+            guard().create_declared()  # mechmon's own copies of the groups the readers gather over (issue 21)
+            for name, _, reader, *_ in self.items:
+                self.initial[name] = reader().clone()
             members = getattr(ctx.optimizer, "chained_optimizers", [ctx.optimizer])
             self.rows.append({"members": [type(m).__name__ for m in members]})
         def on_step_end(self, iteration, ctx):

@@ -130,3 +130,23 @@ def test_a_budget_that_cannot_fit_names_the_flags():
     config = MechmonConfig(enabled=True, interval=10, delta=30)
     with pytest.raises(ValueError, match=r"--mechmon-delta \(now 30; 3 snapshot sets.*--mechmon-no-full-matrix-dw"):
         resolve_placement(config, host_memory_bytes(), torch.device("cpu"))
+
+
+def test_shared_rows_are_found_from_memory_without_reading_the_values(monkeypatch):
+    """The aliasing check compares storages, never values: no torch.equal (a device sync per
+    snapshot on an accelerator); equal values in different memory get their own copy."""
+    layer = ToyAttention(1, 0)
+    store = SnapshotStore("cpu")
+
+    def no_value_comparison(*args, **kwargs):
+        raise AssertionError("torch.equal called while taking a snapshot")
+
+    monkeypatch.setattr(torch, "equal", no_value_comparison)
+    site = layer.site()
+    heads, full = store.take(site.read_heads(), site.read_full())  # views of one tensor: one copy
+    assert heads.wq.data_ptr() == full.wq.data_ptr() and heads.wk.data_ptr() == full.wk.data_ptr()
+    twin = QKWeights(layer.wq.clone(), layer.wk.clone(), head_offset=0)  # equal values, other memory
+    heads2, full2 = store.take(twin, site.read_full())
+    assert heads2.wq.data_ptr() != full2.wq.data_ptr()
+    monkeypatch.undo()
+    assert torch.equal(heads2.wq, heads.wq) and torch.equal(full2.wq, full.wq)

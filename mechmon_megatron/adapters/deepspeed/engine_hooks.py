@@ -40,6 +40,7 @@ from mechmon_megatron.adapters.deepspeed.attention_layouts import FoundAttention
 from mechmon_megatron.adapters.deepspeed.config import checkpoint_dir_of
 from mechmon_megatron.adapters.deepspeed.gate_capture import find_gates, install_gate_capture
 from mechmon_megatron.adapters.deepspeed.weights import read_full_param, read_is_collective
+from mechmon_megatron.session.collective_guard import CollectiveFailure, CollectivesOff, guard
 from mechmon_megatron.session.config import MechmonConfig
 from mechmon_megatron.session.host import (
     AttentionSite,
@@ -101,7 +102,10 @@ class _AttentionReader:
 
     def read_full(self) -> Optional[FullQK]:
         # The session calls read_full first on every rank; do the (possibly collective) read here.
-        self._cache = self.found.read(read_full_param) if (self.owner or self.collective) else None
+        # A ZeRO read is the host's collective (DeepSpeed's groups), issued for the monitors.
+        self._cache = (guard().host_collective(lambda: self.found.read(read_full_param),
+                                               f"the ZeRO read of {self.found.name}")
+                       if (self.owner or self.collective) else None)
         if not (self.owner and self.full_matrix):
             return None
         wq, wk = self._cache
@@ -123,6 +127,7 @@ class _RouterReader:
     def __init__(self, gate: torch.nn.Module, group: Any) -> None:
         self.gate = gate
         self.group = group
+        guard().declare(group)  # mechmon's own copy is made when the session starts
         self.weight: Optional[torch.Tensor] = None
 
     def prefetch(self) -> None:
@@ -138,7 +143,7 @@ class _RouterReader:
             return vector.cpu()
         device = self.gate.wg.weight.device  # NCCL needs the accelerator tensor
         work = vector.to(device=device, dtype=torch.float64)
-        dist.all_reduce(work, group=self.group)
+        guard().all_reduce(work, self.group, "the router all-reduce of a gate")
         return work.cpu()
 
 
@@ -215,7 +220,7 @@ class MechmonDeepSpeed:
                 found_one, owner=(layer - 1) % _world() == _rank(), full_matrix=self.config.full_matrix_dw
             )
             sites.append(AttentionSite(layer, reader.read_heads, reader.read_full, found_one.name,
-                                       snapshot_budget=reader.budget()))
+                                       snapshot_budget=reader.budget(), reports=reader.owner))
         return sites
 
     def _build_router_sites(self, model: torch.nn.Module) -> list[RouterSite]:
@@ -285,8 +290,9 @@ class MechmonDeepSpeed:
 
     def _after_step(self, iteration: int) -> None:
         if self.config.is_check_step(iteration):
-            for router in self._routers:
-                router.prefetch()  # collective reads on every rank, before the session's reads
+            for router in self._routers:  # collective reads on every rank, before the session's reads
+                self.session.run_host_collective("router", iteration, router.prefetch,
+                                                 "the ZeRO read of a gate weight")
         decision = self.session.on_step_end(iteration)
         if decision.abort:
             self._abort(decision)
@@ -355,7 +361,10 @@ class MechmonDeepSpeed:
         self.session.on_abort_checkpoint_saved(iteration, os.path.join(directory, tag))
         self.session.close()
         if _distributed():
-            dist.barrier()
+            try:
+                guard().barrier(None, "the barrier before the abort's exit")
+            except (CollectiveFailure, CollectivesOff) as exc:  # bounded by ds_config.mechmon.collective_timeout
+                logger.error("[mechmon] %s; exiting without it", exc)
             # Leave together, with no collective in flight (gloo threads abort otherwise).
             dist.destroy_process_group()
         if self.comm.is_writer:

@@ -68,7 +68,10 @@ class MechmonCallback:
         cfg = self.session.config
         reads = cfg.is_check_step(iteration) or cfg.is_snapshot_step(iteration)
         if reads and overlaps_param_gather(self._model_chunks):
-            force_param_sync(self._model_chunks)
+            # The host's own all-gather, issued for the monitors: inside the failure log, by the schedule.
+            chunks = self._model_chunks
+            self.session.run_host_collective("read", iteration, lambda: force_param_sync(chunks),
+                                             "the forced parameter all-gather (overlap_param_gather)")
         decision = self.session.on_step_end(iteration)
         if not decision.abort:
             return None

@@ -42,7 +42,7 @@ from typing import Any, Callable, Literal, Optional, Sequence, get_args
 import torch
 import torch.distributed as dist
 
-from mechmon_megatron.session.collective_guard import guarded_collective
+from mechmon_megatron.session.collective_guard import guard, guarded_collective
 
 logger = logging.getLogger(__name__)
 
@@ -232,6 +232,7 @@ def _distributed_reader(optimizer: Any, param: torch.Tensor, layer: str, dp_grou
     group = getattr(optimizer, "data_parallel_group", None)
     if group is None:
         group = dp_group
+    guard().declare(group)  # mechmon's own copy of it is made when the session starts
     numel, shape = param.numel(), param.shape
 
     def local() -> torch.Tensor:
@@ -244,7 +245,7 @@ def _distributed_reader(optimizer: Any, param: torch.Tensor, layer: str, dp_grou
 
     def gather(full: torch.Tensor) -> torch.Tensor:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group)  # disjoint shards: exact
+            guard().all_reduce(full, group, f"the FP32 main-parameter gather of {layer}")  # disjoint shards: exact
         return full.view(shape)
 
     def read() -> torch.Tensor:

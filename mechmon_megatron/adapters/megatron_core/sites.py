@@ -9,8 +9,10 @@ rank that holds a copy of the layer):
   holds whole query groups (ng >= tp), otherwise from the TP-gathered weight (ng < tp). The
   full-matrix dW of layer L runs on one rank of the DP x TP grid: index ``j = (L - 1) % (dp * tp)``,
   i.e. replica ``j // tp``, TP rank ``j % tp``, from the TP-gathered weight.
-* Every gather runs through ``collective_guard``: a rank whose own part fails makes every rank of
-  the group raise instead of leaving them waiting in the collective.
+* Every collective runs through ``collective_guard`` on mechmon's own copy of its group (bounded
+  by ``--mechmon-collective-timeout``): a rank whose own part fails makes every rank of the group
+  raise instead of leaving them waiting in the collective, and a failure inside the collective
+  costs its peers at most the timeout.
 * Routers: every rank lists them; token statistics (entropy of the logits, load from the router's
   own routing map) are summed over the data-parallel group (plus the TP group under sequence
   parallelism, where TP ranks route different tokens); one rank per pipeline stage (DP rank 0,
@@ -27,7 +29,7 @@ import torch.distributed as dist
 
 from mechmon_megatron.adapters.megatron_core.discovery import FoundAttention, FoundRouter, router_settings
 from mechmon_megatron.monitors.router import check_score_function
-from mechmon_megatron.session.collective_guard import guarded_collective
+from mechmon_megatron.session.collective_guard import guard
 from mechmon_megatron.session.host import AttentionSite, FullQK, QKWeights, RouterSite, SnapshotBudget
 from mechmon_megatron.session.qkv_layout import split_qk
 from mechmon_megatron.session.router_check import NON_SOFTMAX_FLOOR_NOTICE, entropy_floor_applies
@@ -62,10 +64,10 @@ def _read_and_gather_rows(read: Callable[[], torch.Tensor], group: Any, what: st
 
     def gather(prepared: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         local, own, parts = prepared
-        dist.all_gather(parts, own, group=group)
+        guard().all_gather(parts, own, group, f"the tensor-parallel gather of {what}")
         return local, torch.cat(parts, dim=0)
 
-    return guarded_collective(prepare, gather, group, what)
+    return guard().guarded(prepare, gather, group, what)
 
 
 class _AttentionReader:
@@ -82,6 +84,7 @@ class _AttentionReader:
             weight_source(self.weight) if weight_source is not None else (lambda: self.weight.detach())
         )
         self.tp_group = tp_group
+        guard().declare(tp_group)  # mechmon's own copy is made when the session starts
         self.tp = _group_size(tp_group)
         self.tp_rank = _group_rank(tp_group)
         self.np = cfg.num_attention_heads
@@ -98,6 +101,8 @@ class _AttentionReader:
         self.gathers = self.tp > 1 and (full_replica or (self.heads_owner and self.ng < self.tp))
         self._local: Optional[torch.Tensor] = None
         self._gathered: Optional[torch.Tensor] = None
+        self._split: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        """read_full's Q/K split when it is also this rank's per-head read (TP 1): one copy, shared."""
 
     def budget(self, element_size: int) -> SnapshotBudget:
         hidden = int(self.weight.shape[-1])
@@ -109,7 +114,7 @@ class _AttentionReader:
 
     def read_full(self) -> Optional[FullQK]:
         """Full Q/K of the layer on its owner (None elsewhere). Collective: every rank calls it first."""
-        self._local = self._gathered = None
+        self._local = self._gathered = self._split = None
         # read_weight may itself be a data-parallel collective (sharded FP32 main parameters).
         if self.gathers:
             local, self._gathered = _read_and_gather_rows(self.read_weight, self.tp_group,
@@ -122,16 +127,20 @@ class _AttentionReader:
         full = self._gathered if self.tp > 1 else local
         assert full is not None
         wq, wk = split_qk(full, self.np, self.ng, self.hn, self.gate)
+        if self.tp == 1:
+            self._split = (wq, wk)  # the per-head read of this rank is the same rows: views, not a copy
         return FullQK(wq=wq.reshape(self.np * self.hn, -1), wk=wk.reshape(self.ng * self.hn, -1))
 
     def read_heads(self) -> Optional[QKWeights]:
         """This rank's heads on the layer's per-head replica (None elsewhere); uses read_full's read."""
-        local, gathered = self._local, self._gathered
-        self._local = self._gathered = None
+        local, gathered, split = self._local, self._gathered, self._split
+        self._local = self._gathered = self._split = None
         if not self.heads_owner:
             return None
         if local is None:
             raise RuntimeError(f"layer {self.layer_number}: read_heads called without a successful read_full")
+        if split is not None:
+            return QKWeights(wq=split[0], wk=split[1], head_offset=0)
         offset = self.tp_rank * self.np_local
         if self.ng >= self.tp:
             wq, wk = split_qk(local, self.np_local, self.ng // self.tp, self.hn, self.gate)
@@ -165,7 +174,8 @@ def attention_sites(
         main = getattr(reader.read_weight, "source", "model") == "main"
         size = element_size if element_size is not None else (4 if main else reader.weight.element_size())
         sites.append(AttentionSite(item.layer_number, reader.read_heads, reader.read_full, item.name,
-                                   snapshot_budget=reader.budget(size)))
+                                   snapshot_budget=reader.budget(size),
+                                   reports=reader.heads_owner or reader.full_owner))
     return sites
 
 
@@ -180,16 +190,19 @@ def router_sites(
     routing-entropy floor: the reporting rank logs that once (``NON_SOFTMAX_FLOOR_NOTICE``).
     """
     sites = []
+    if found:
+        guard().declare(reduce_group)
     for item in found:
         module = item.module
         settings = router_settings(module)
 
-        def reduce_sum(vector: torch.Tensor, _group=reduce_group, _device=module.weight.device) -> torch.Tensor:
+        def reduce_sum(vector: torch.Tensor, _group=reduce_group, _device=module.weight.device,
+                       _layer=item.layer_number) -> torch.Tensor:
             if not dist.is_initialized() or _group_size(_group) == 1:
                 return vector.cpu()
             # fp64 for exact integer counts; NCCL needs the tensor on the module's device.
             work = vector.to(device=_device, dtype=torch.float64)
-            dist.all_reduce(work, group=_group)
+            guard().all_reduce(work, _group, f"the router all-reduce of layer {_layer}")
             return work.cpu()
 
         site = RouterSite(

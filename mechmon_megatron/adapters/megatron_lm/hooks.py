@@ -20,6 +20,7 @@ import torch
 
 from mechmon_megatron.adapters.megatron_core import build_mcore_session, force_param_sync
 from mechmon_megatron.cli.args import config_from_args
+from mechmon_megatron.session.collective_guard import CollectiveFailure, CollectivesOff, guard
 from mechmon_megatron.session.config import MechmonConfig
 from mechmon_megatron.session.session import MonitoringSession
 from mechmon_megatron.session.writers import WandbScalarWriter
@@ -59,8 +60,10 @@ def read_state(directory: str) -> Optional[dict]:
 
 
 def _barrier() -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
+    try:
+        guard().barrier(None, "the barrier before the abort's exit")
+    except (CollectiveFailure, CollectivesOff) as exc:  # bounded by --mechmon-collective-timeout
+        logger.error("[mechmon] %s; exiting without it", exc)
 
 
 class MegatronLMHooks:
@@ -152,7 +155,8 @@ class MegatronLMHooks:
             and getattr(args, "use_distributed_optimizer", False)
             and getattr(args, "overlap_param_gather", False)
         ):
-            force_param_sync(model_chunks)
+            session.run_host_collective("read", iteration, lambda: force_param_sync(model_chunks),
+                                        "the forced parameter all-gather (overlap_param_gather)")
         decision = session.on_step_end(iteration)
         if not decision.abort:
             return False

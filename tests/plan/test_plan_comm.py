@@ -1,0 +1,54 @@
+"""The planner's count of a check's records exchange (issue 21) against a hand count, and its growth:
+the writer's bytes follow the reporting ranks, every other rank's bytes stay flat with the world."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mechmon_megatron.plan.comm import check_comm_bytes
+from mechmon_megatron.plan.report import PlanOptions, build_report
+from mechmon_megatron.plan.shapes import PRESETS, ModelShape, ParallelLayout
+
+TINY_MOE = ModelShape(name="tiny", num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=4,
+                      kv_channels=8, ffn_hidden_size=128, vocab_size=256, seq_length=16, micro_batch_size=1,
+                      global_batch_size=8, num_experts=4, moe_router_topk=2)
+"""The model of tools/bench_check_comm.py (the example trainer's tiny MoE GPT)."""
+
+
+def test_tiny_moe_at_tp2_dp2_matches_a_hand_count():
+    # Ranks (dp, tp): per-head layer 1 on replica 0, layer 2 on replica 1 (2 heads per TP rank);
+    # full matrix: layer 1 on (0, 0), layer 2 on (0, 1); both routers reported by (0, 0).
+    # Row numbers: 1 overhead + per-head layer (9 partials x 2 + 2 streams) = 20
+    #   + full layer (5 x 2 + 2) = 12 + router (12 partials x 2 + similarity + entropy + its floor) = 27.
+    # (0,0): 1 + 20 + 12 + 2 x 27 = 87 numbers; (0,1): 33; (1,0) and (1,1), the writer: 21.
+    comm = check_comm_bytes(TINY_MOE, ParallelLayout(tp=2, pp=1, dp=2))
+    assert comm["row_values"] == 87 and comm["reporting_ranks"] == 4
+    row = (2 + 87) * 8
+    everyone = 16 + 16 + 16 + 4 + 4  # counts all-reduce both ways, verdict, agreement both ways
+    assert comm["per_rank"] == everyone + 32 + row  # + the row-width all-reduce, + its own row
+    assert comm["writer"] == everyone + 32 + 3 * row
+    assert comm["non_reporting_rank"] is None  # every rank reports something here
+
+
+def test_bytes_do_not_grow_with_the_world_beyond_the_reporting_ranks():
+    rows = [check_comm_bytes(TINY_MOE, ParallelLayout(tp=2, pp=1, dp=dp)) for dp in (2, 4, 8, 64)]
+    # Two layers: from dp 2 on, the same four ranks report, whatever the world size.
+    assert {r["reporting_ranks"] for r in rows[1:]} == {5}  # 4 owners + the (non-owning) writer
+    assert len({r["writer"] for r in rows[1:]}) == 1 and len({r["per_rank"] for r in rows}) == 1
+    assert rows[-1]["non_reporting_rank"] == 56
+
+
+def test_llama3_70b_at_8192_ranks_is_in_the_plan():
+    report = build_report(PRESETS["llama3-70b"], ParallelLayout(tp=8, pp=4, dp=256), PlanOptions(measure=False))
+    comm = report["check_comm"]
+    assert report["check_comm_bytes_per_rank"] == comm["per_rank"]
+    assert report["check_comm_bytes_writer"] == comm["writer"]
+    # 80 layers, each with one per-head replica of 8 TP ranks and one full-matrix rank: at most
+    # 80 x 8 + 80 reporting ranks (and the writer) of 8,192, and a row of one or two layers' numbers.
+    assert comm["reporting_ranks"] <= 80 * 8 + 80 + 1
+    assert comm["per_rank"] < 2_000 and comm["writer"] < 2_000_000
+    assert comm["non_reporting_rank"] == 56
+
+
+def test_one_rank_exchanges_nothing():
+    assert check_comm_bytes(dataclasses.replace(TINY_MOE), ParallelLayout(tp=1, pp=1, dp=1))["writer"] == 0

@@ -1,0 +1,115 @@
+"""One rank of the collective-guard tests (tests/session/test_collective_guard.py), real gloo.
+
+    RANK=r WORLD_SIZE=n MASTER_ADDR=... MASTER_PORT=... python tests/session/_guard_worker.py MODES OUT
+
+``MODES``: a comma-separated list, run in order in one process (each rank writes
+``OUT.<mode>.rank<r>.json``); ``raise`` leaves mechmon's groups down, so it comes last:
+
+* ``raise``: mechmon's all-gather raises at the call on rank 1 (``torch.distributed.all_gather``
+  patched there only); every rank records how long it took and what the end-of-step agreement said;
+* ``count``: one all-gather, one all-reduce, one object gather and broadcast; the byte counter;
+* ``startup``: a session whose rank 1 has a host-memory share too small for its snapshots
+  (``LOCAL_WORLD_SIZE`` huge there): every rank records the error it raised.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from mechmon_megatron.session import collective_guard
+from mechmon_megatron.session.collective_guard import CollectiveFailure, CollectivesOff
+from mechmon_megatron.session.config import MechmonConfig
+from mechmon_megatron.session.host import AttentionSite, QKWeights, SnapshotBudget, TorchDistributedCommunicator
+from mechmon_megatron.session.session import MonitoringSession
+
+TIMEOUT_S = 2.0
+
+
+def _raise(rank: int) -> dict:
+    guard = collective_guard.reset_guard(TIMEOUT_S)
+    guard.create_declared()
+    if rank == 1:
+        def failing(*args, **kwargs):
+            raise RuntimeError("injected transport error at the call")
+
+        dist.all_gather = failing
+    start = time.perf_counter()
+    parts = [torch.empty(4) for _ in range(dist.get_world_size())]
+    error = ""
+    try:
+        guard.all_gather(parts, torch.full((4,), float(rank)), None, "a test gather")
+    except CollectiveFailure as exc:
+        error = str(exc)
+    try:
+        guard.all_reduce(torch.ones(1), None, "a later all-reduce")
+        later = "ran"
+    except CollectivesOff:
+        later = "skipped"
+    up = guard.agree_up()
+    return {"error": error, "later": later, "up": up, "seconds": time.perf_counter() - start, "down": guard.down}
+
+
+def _count(rank: int) -> dict:
+    guard = collective_guard.reset_guard(60.0)  # healthy collectives: no timeout on a loaded machine
+    guard.create_declared()
+    world = dist.get_world_size()
+    parts = [torch.empty(3, dtype=torch.float64) for _ in range(world)]
+    guard.all_gather(parts, torch.full((3,), float(rank), dtype=torch.float64), None, "gather")
+    guard.counter.take()
+    guard.all_reduce(torch.ones(5, dtype=torch.float32), None, "reduce")
+    reduce = guard.counter.take()
+    guard.all_gather(parts, torch.full((3,), float(rank), dtype=torch.float64), None, "gather")
+    gather = guard.counter.take()
+    flag = guard.broadcast(torch.tensor([rank], dtype=torch.int64), world - 1, None, "broadcast")
+    broadcast = guard.counter.take()
+    return {"reduce": reduce, "gather": gather, "broadcast": broadcast, "flag": int(flag.item()),
+            "parts": [p.tolist() for p in parts]}
+
+
+def _startup(rank: int) -> dict:
+    collective_guard.reset_guard(60.0)
+    if rank == 1:
+        os.environ["LOCAL_WORLD_SIZE"] = str(10**12)  # a share of host memory below one snapshot
+    try:
+        return _start_session()
+    finally:
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
+
+
+def _start_session() -> dict:
+    wq, wk = torch.zeros(4, 8, 16), torch.zeros(2, 8, 16)
+    sites = []
+    for layer in (1, 2):
+        budget = SnapshotBudget(heads_elements=wq.numel() + wk.numel(), full_elements=0, shared=False,
+                                element_size=4, device=torch.device("cpu"))
+        sites.append(AttentionSite(layer, read_heads=lambda: QKWeights(wq, wk), read_full=lambda: None,
+                                   snapshot_budget=budget))
+    config = MechmonConfig(enabled=True, interval=5, delta=5, full_matrix_dw=False)
+    try:
+        MonitoringSession(config, sites, comm=TorchDistributedCommunicator())
+        return {"error": None}
+    except ValueError as exc:
+        return {"error": str(exc)}
+
+
+def main() -> int:
+    modes, out = sys.argv[1].split(","), sys.argv[2]
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    for mode in modes:
+        row = {"raise": _raise, "count": _count, "startup": _startup}[mode](rank)
+        with open(f"{out}.{mode}.rank{rank}.json", "w", encoding="utf-8") as f:
+            json.dump(row, f)
+    # No destroy_process_group: a group left out of step by the injected failure must not block the exit.
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
