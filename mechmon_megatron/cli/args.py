@@ -13,6 +13,7 @@ from typing import Callable, Optional
 
 from mechmon_megatron._version import __version__
 from mechmon_megatron.session.config import ACTIONS, MONITOR_FAMILIES, MechmonConfig
+from mechmon_megatron.session.host_settings import graphed_router
 from mechmon_megatron.session.startup import RunFacts, validate_startup
 
 logger = logging.getLogger(__name__)
@@ -234,6 +235,7 @@ def run_facts(args: argparse.Namespace) -> RunFacts:
         snapshot_set_bytes=_snapshot_set_bytes(args),
         save_dir=getattr(args, "save", None),
         save_flag="--save",
+        graphed_router=graphed_router(args),
     )
 
 

@@ -14,7 +14,9 @@ from mechmon_megatron.adapters.megatron_core.main_params import weight_reader
 from mechmon_megatron.adapters.megatron_core.sites import attention_sites, router_sites
 from mechmon_megatron.session.config import MechmonConfig
 from mechmon_megatron.session.host import LocalCommunicator, TorchDistributedCommunicator
+from mechmon_megatron.session.host_settings import graphed_router
 from mechmon_megatron.session.session import MonitoringSession
+from mechmon_megatron.session.startup import graphed_router_message
 from mechmon_megatron.session.writers import JsonlScalarWriter, ScalarWriter, TensorBoardScalarWriter, WriterGroup
 
 logger = logging.getLogger(__name__)
@@ -75,6 +77,11 @@ def build_mcore_session(
         return MonitoringSession(config)
     distributed = dist.is_available() and dist.is_initialized()
     found_attention, found_routers = find_modules(model_chunks)
+    if "router" in config.monitors:
+        for item in found_routers:  # the same rule as the parse-time check, on the model's own config
+            graphed = graphed_router(getattr(item.module, "config", None))
+            if graphed:
+                raise ValueError(graphed_router_message(graphed))
     if distributed:
         ps = _parallel_state()
         tp_group = ps.get_tensor_model_parallel_group()

@@ -29,6 +29,7 @@ from mechmon_megatron.adapters.megatron_core.discovery import FoundAttention, Fo
 from mechmon_megatron.monitors.router import check_score_function
 from mechmon_megatron.session.collective_guard import guarded_collective
 from mechmon_megatron.session.host import AttentionSite, FullQK, QKWeights, RouterSite, SnapshotBudget
+from mechmon_megatron.session.host_settings import in_backward
 from mechmon_megatron.session.qkv_layout import split_qk
 from mechmon_megatron.session.router_check import NON_SOFTMAX_FLOOR_NOTICE, entropy_floor_applies
 
@@ -235,6 +236,8 @@ def install_routing_capture(
     are left out of the load: ``routing_map & (probs != 0)``. A ``routing`` whose output is not
     ``(probs, bool routing_map)`` (another megatron-core release) is recorded as the site's
     capture error, which the check reports. On other steps the wrapper costs one boolean test.
+    Under activation recompute the router runs again inside the backward pass: that second run
+    is not captured (``host_settings.in_backward``), so every token counts once.
     """
     if getattr(router, "_mechmon_capture", False):
         raise RuntimeError(f"router {site.name} already has a mechmon capture hook (attach the session once)")
@@ -242,7 +245,9 @@ def install_routing_capture(
 
     def routing(logits: torch.Tensor, *args, **kwargs):
         out = original(logits, *args, **kwargs)
-        if capture_enabled():
+        # Activation recompute re-runs the router inside the backward: its tokens count once,
+        # in the forward (session/host_settings.py).
+        if capture_enabled() and not in_backward():
             _capture_routing(site, logits, out, pad_to_capacity)
         return out
 
