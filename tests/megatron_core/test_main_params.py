@@ -43,8 +43,7 @@ WORKER = textwrap.dedent(
     r'''
     import hashlib, importlib.util, json, os, sys
     import torch, torch.distributed as dist
-    repo, out_dir, mode = sys.argv[1], sys.argv[2], sys.argv[3]
-    inject, gather_mode = mode == "inject", mode == "gather"
+    repo, out_dir, inject = sys.argv[1], sys.argv[2], sys.argv[3] == "inject"
     sys.path[:0] = [repo, os.path.join(repo, "examples", "pretrain_scripts")]
     from mechmon_megatron.testing.cpu_megatron import enable_cpu_compat
     enable_cpu_compat()
@@ -91,23 +90,24 @@ WORKER = textwrap.dedent(
         def on_train_start(self, ctx):
             self.group = ps.get_data_parallel_group(with_context_parallel=True)
             self.items = []
-            self.qk_rows = {}
+            self.gathered = []
             for index, item in enumerate(find_modules(ctx.model_chunks)[0]):
                 weight = item.module.linear_qkv.weight
                 reader, source = main_params.weight_reader(weight, ctx.optimizer, self.group, layer=item.name)
                 model, model_source = main_params.weight_reader(weight, ctx.optimizer, self.group, layer=item.name,
                                                                 setting="model")
-                if gather_mode:  # as the sites do: layer index % dp uses it, its Q and K rows only
+                self.items.append((item.name, weight, reader, source, model, model_source))
+                self.initial[item.name] = reader().clone()
+                if reader.collective:  # a second reader used as the sites use it: layer i on replica i % dp, Q/K rows
                     from mechmon_megatron.session.qkv_layout import qkv_row_indices
                     cfg = item.module.config
                     q, k = qkv_row_indices(cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads,
                                            item.module.hidden_size_per_attention_head)
                     rows = torch.cat([q.reshape(-1), k.reshape(-1)])
-                    self.qk_rows[item.name] = rows
-                    reader.configure_use(index % dist.get_world_size(self.group) == dist.get_rank(self.group), rows)
-                self.items.append((item.name, weight, reader, source, model, model_source))
-                first = reader()
-                self.initial[item.name] = None if first is None else first.clone()
+                    gathered, _ = main_params.weight_reader(weight, ctx.optimizer, self.group, layer=item.name)
+                    gathered.configure_use(index % dist.get_world_size(self.group) == dist.get_rank(self.group), rows)
+                    first = gathered()
+                    self.gathered.append((item.name, weight, gathered, rows, None if first is None else first.clone()))
             members = getattr(ctx.optimizer, "chained_optimizers", [ctx.optimizer])
             self.rows.append({"members": [type(m).__name__ for m in members]})
         def on_step_end(self, iteration, ctx):
@@ -130,19 +130,6 @@ WORKER = textwrap.dedent(
                 finally:
                     if inject and iteration == 4 and dist.get_rank(self.group) == 1:
                         main_params._local_main_shard = original
-                if gather_mode:
-                    ref = truth(weight, ctx.optimizer, self.group, row)  # every rank: a collective
-                    rows = self.qk_rows[name]
-                    row.update(received=value is not None, traffic=dict(reader.traffic), numel=weight.numel(),
-                               qk_numel=rows.numel() * weight.shape[-1])
-                    if value is not None:
-                        read_rows = torch.zeros(weight.shape[0], dtype=torch.bool)
-                        read_rows[rows] = True
-                        row["qk_equals_truth"] = torch.equal(value[rows], ref[rows])
-                        row["other_rows_zero"] = bool((value[~read_rows] == 0).all())
-                        row["moved"] = not torch.equal(value, self.initial[name])
-                    self.rows.append(row)
-                    continue
                 row.update(dtype=str(value.dtype), shape=list(value.shape), param_shape=list(weight.shape),
                            digest=digest(value), moved=not torch.equal(value, self.initial[name]))
                 if source == "main":
@@ -156,6 +143,19 @@ WORKER = textwrap.dedent(
                 m = model()
                 row["model_read_is_param"] = m.data_ptr() == weight.data_ptr() and m.dtype == weight.dtype
                 self.rows.append(row)
+            for name, weight, gathered, rows, initial in self.gathered:  # every rank, in order: collectives
+                value = gathered()
+                ref = truth(weight, ctx.optimizer, self.group, {})
+                row = {"gathered": True, "iteration": iteration, "layer": name, "received": value is not None,
+                       "traffic": dict(gathered.traffic), "numel": weight.numel(),
+                       "qk_numel": rows.numel() * weight.shape[-1]}
+                if value is not None:
+                    read_rows = torch.zeros(weight.shape[0], dtype=torch.bool)
+                    read_rows[rows] = True
+                    row["qk_equals_truth"] = torch.equal(value[rows], ref[rows])
+                    row["other_rows_zero"] = bool((value[~read_rows] == 0).all())
+                    row["moved"] = not torch.equal(value, initial)
+                self.rows.append(row)
         def on_exit(self, request, checkpoint_dir):
             rank = dist.get_rank()
             with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -166,13 +166,12 @@ WORKER = textwrap.dedent(
 )
 
 
-def _run(tmp_path: Path, name: str, flags: list[str], nproc: int, inject: bool = False,
-         mode: str = "") -> list[list[dict]]:
+def _run(tmp_path: Path, name: str, flags: list[str], nproc: int, inject: bool = False) -> list[list[dict]]:
     out = tmp_path / name
     out.mkdir()
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER, encoding="utf-8")
-    args = [REPO_ROOT, out, mode or ("inject" if inject else "plain"), *TINY, *flags]
+    args = [REPO_ROOT, out, "inject" if inject else "plain", *TINY, *flags]
     if nproc == 1:
         run_python(worker, args, timeout_s=150).check()
     else:
@@ -185,7 +184,15 @@ def _members(rows: list[dict]) -> list[str]:
 
 
 def _checks(rows: list[dict]) -> list[dict]:
-    return [r for r in rows if "members" not in r]
+    return [r for r in rows if "members" not in r and "gathered" not in r]
+
+
+@pytest.fixture(scope="module")
+def distopt_dp2(tmp_path_factory) -> list[list[dict]]:
+    """One DP=2 run of the distributed optimizer (3 layers: the buffer split puts layer 2's
+    linear_qkv.weight half on each rank), with a failure injected on rank 1 at iteration 4."""
+    flags = ["--bf16", "--use-distributed-optimizer", "--num-layers", "3"]
+    return _run(tmp_path_factory.mktemp("distopt"), "distopt", flags, nproc=2, inject=True)
 
 
 def _assert_main_rows(rows: list[dict]) -> None:
@@ -214,10 +221,8 @@ def test_float16_optimizer_bf16_reads_fp32_main(tmp_path):
 
 
 @pytest.mark.distributed
-def test_distributed_optimizer_dp2_gathers_full_main_on_every_rank(tmp_path):
-    # 3 layers: the buffer split puts layer 2's linear_qkv.weight half on each rank.
-    flags = ["--bf16", "--use-distributed-optimizer", "--num-layers", "3"]
-    rank0, rank1 = _run(tmp_path, "distopt", flags, nproc=2, inject=True)
+def test_distributed_optimizer_dp2_gathers_full_main_on_every_rank(distopt_dp2):
+    rank0, rank1 = distopt_dp2
     assert _members(rank0) == ["DistributedOptimizer"]
     rank0, rank1 = _checks(rank0), _checks(rank1)
     plain0 = [r for r in rank0 if r["iteration"] == 2]
@@ -238,12 +243,11 @@ def test_distributed_optimizer_dp2_gathers_full_main_on_every_rank(tmp_path):
 
 
 @pytest.mark.distributed
-def test_distributed_optimizer_gathers_qk_rows_to_the_using_replica_only(tmp_path):
+def test_distributed_optimizer_gathers_qk_rows_to_the_using_replica_only(distopt_dp2):
     """With the sites' use (layer i on replica i % 2, Q and K rows only): the using rank gets
     exactly megatron's FP32 main Q/K rows, the other gets None, and the elements each rank sends
     and receives are those of the gather, not of an all-reduce of the whole weight."""
-    flags = ["--bf16", "--use-distributed-optimizer", "--num-layers", "3"]
-    ranks = [_checks(rows) for rows in _run(tmp_path, "gather", flags, nproc=2, mode="gather")]
+    ranks = [[r for r in rows if r.get("gathered")] for rows in distopt_dp2]
     for rank, rows in enumerate(ranks):
         assert len(rows) == 3 * 2, rows  # 3 layers x checks at 2 and 4
         for row in rows:

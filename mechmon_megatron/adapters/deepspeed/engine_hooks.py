@@ -422,7 +422,7 @@ class MechmonDeepSpeed:
 
 
 def user_client_state(fn: Callable[[], Mapping[str, Any]], where: str) -> dict[str, Any]:
-    """``fn()`` as a plain dict, checked: a mapping with string keys, none of them mechmon's.
+    """``fn()`` as a plain dict, checked: a mapping, none of whose keys is one of mechmon's.
 
     ``ValueError`` naming ``where`` otherwise (also when ``fn`` raises).
     """
