@@ -47,3 +47,12 @@ def test_abort_directory_is_checked_at_attach(tmp_path):
 def test_disabled_config_accepts_anything():
     disabled = attach(object(), MechmonConfig(enabled=False), client_state_fn=lambda: {"mechmon": 1})
     assert disabled.session.enabled is False
+
+
+def test_save_with_mechmons_key_is_refused_before_anything_is_written(tmp_path):
+    """engine.save_checkpoint(client_state={"mechmon": ...}): the user's value would be replaced."""
+    wrapper = attach(object(), MechmonConfig(enabled=False))
+    saved: list = []
+    with pytest.raises(ValueError, match=r"key\(s\) \['mechmon'\] are mechmon's"):
+        wrapper._save_checkpoint(lambda *a, **k: saved.append(a), str(tmp_path), "t", {"mechmon": 1, "step": 3})
+    assert saved == [] and not any(tmp_path.iterdir())
