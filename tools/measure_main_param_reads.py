@@ -12,6 +12,7 @@ differences, and the BF16 rounding noise energy ``||dW_model - dW_main||_F^2 / |
 (with the model of it: BF16 rounding of each read, RMS ~ ``2^-9 |W|`` per element).
 
     python tools/measure_main_param_reads.py --train-iters 300 --checks 20,60,240,290 --delta 10
+    python tools/measure_main_param_reads.py --bytes 8192,64,8,128,8,256,20   # read traffic, no training
 
 On a CPU-only machine the megatron-core mixed-precision optimizers need one more CPU shim than
 ``mechmon_megatron.testing.cpu_megatron`` has (:func:`allow_cpu_mixed_precision_optimizers`).
@@ -198,6 +199,29 @@ def _versions() -> dict[str, str]:
             "cpu": platform.processor() or platform.machine(), "threads": str(torch.get_num_threads())}
 
 
+def read_bytes(hidden: int, heads: int, groups: int, head_dim: int, tp: int, dp: int, layers_per_stage: int,
+               users_per_layer: int = 1) -> dict[str, float]:
+    """Bytes one check's FP32 main-parameter reads move per rank (distributed optimizer, DP ``dp``).
+
+    ``allreduce``: the former read, every DP rank all-reduces its stage's whole ``linear_qkv``
+    TP shard (a ring moves ``2 (dp - 1) / dp`` of it each way, every layer, every rank).
+    ``gather``: each rank sends its part of the Q and K rows (``1/dp`` of them) to each of the
+    ``users_per_layer`` replicas using the layer (1: per-head work only; 2 with full-matrix dW on
+    another replica); a using rank receives ``(dp - 1) / dp`` of the layer's Q/K rows. Bytes per
+    rank: the ``sent`` of every rank, the ``received`` of a rank that uses one layer (most ranks
+    of a large job use none: ``layers_per_stage * users_per_layer / dp`` layers on average).
+    """
+    rows_qkv = (heads + 2 * groups) // tp * head_dim
+    rows_qk = (heads + groups) // tp * head_dim
+    qkv, qk = 4 * rows_qkv * hidden, 4 * rows_qk * hidden
+    ring = 2 * (dp - 1) / dp * qkv
+    return {
+        "allreduce_sent": ring * layers_per_stage, "allreduce_received": ring * layers_per_stage,
+        "gather_sent": qk / dp * users_per_layer * layers_per_stage,
+        "gather_received_per_used_layer": qk * (dp - 1) / dp,
+    }
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--train-iters", type=int, default=300)
@@ -210,8 +234,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--json", default=None, help="Also write the result to this file.")
     parser.add_argument("--markdown", action="store_true", help="Print the docs table to stderr at the end.")
+    parser.add_argument("--bytes", metavar="HIDDEN,HEADS,GROUPS,HEAD_DIM,TP,DP,LAYERS",
+                        help="Print, without training, the bytes per rank of one check's main-parameter reads "
+                             "(all-reduce before, gather now; read_bytes), e.g. 8192,64,8,128,8,256,20 "
+                             "(Llama-3-70B, TP 8, DP 256, 20 layers per pipeline stage).")
     parser.add_argument("trainer_args", nargs="*", help="Extra trainer flags (after --).")
     args = parser.parse_args(argv)
+    if args.bytes:
+        try:
+            hidden, heads, groups, head_dim, tp, dp, layers = (int(v) for v in args.bytes.split(","))
+        except ValueError:
+            parser.error(f"--bytes takes 7 integers HIDDEN,HEADS,GROUPS,HEAD_DIM,TP,DP,LAYERS, got {args.bytes!r}")
+        out = {f"users_{u}": read_bytes(hidden, heads, groups, head_dim, tp, dp, layers, u) for u in (1, 2)}
+        print(json.dumps(out, indent=1))
+        return 0
     checks = [int(x) for x in args.checks.split(",") if x.strip()]
     if min(checks) - args.delta < 0 or max(checks) > args.train_iters:
         parser.error("every check t needs 0 <= t - --delta and t <= --train-iters")

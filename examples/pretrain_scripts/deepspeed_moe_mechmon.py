@@ -46,6 +46,10 @@ def _load_data_module():
     return module
 
 
+PROGRESS_KEY = "example_progress"
+"""The training loop's own client_state key: micro-batches and tokens this rank consumed."""
+
+
 # ------------------------------------------------------------------------------------ model
 class Attention(nn.Module):
     """Causal self-attention, Hugging Face layout (q_proj / k_proj / v_proj / o_proj), GQA."""
@@ -286,12 +290,22 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
-    mechmon = mechmon_ds.attach(engine)  # reads ds_config["mechmon"]
+    # The loop's own state, saved in every checkpoint's client_state (the abort's too, through
+    # client_state_fn): a resume restores it beside mechmon's detector state.
+    progress = {"micro_batches": 0, "tokens": 0}
+
+    def client_state() -> dict:
+        return {PROGRESS_KEY: dict(progress)}
+
+    mechmon = mechmon_ds.attach(engine, client_state_fn=client_state)  # reads ds_config["mechmon"]
 
     if args.load:
-        load_path, _ = engine.load_checkpoint(args.load, tag=args.ckpt_tag)  # restores the mechmon detector state too
+        # restores the mechmon detector state too
+        load_path, loaded = engine.load_checkpoint(args.load, tag=args.ckpt_tag)
+        progress.update((loaded or {}).get(PROGRESS_KEY, {}))
         if rank == 0:
-            print(f"resumed from {load_path} at step {engine.global_steps}", flush=True)
+            print(f"resumed from {load_path} at step {engine.global_steps}; {PROGRESS_KEY} {json.dumps(progress)}",
+                  flush=True)
 
     micro = engine.train_micro_batch_size_per_gpu()
     start = time.perf_counter()
@@ -302,7 +316,9 @@ def main(argv: list[str] | None = None) -> int:
             tokens, labels = batch["tokens"].to(engine.device), batch["labels"].to(engine.device)
             lm_loss, aux = engine(tokens, labels)
             engine.backward(lm_loss + args.aux_loss_coeff * aux)
-            engine.step()  # mechmon runs here on applied steps
+            progress["micro_batches"] += 1
+            progress["tokens"] += tokens.numel()
+            engine.step()  # mechmon runs here on applied steps (and may save and exit on an alarm)
             losses.append(lm_loss.detach())
         loss = torch.stack(losses).mean()
         torch.distributed.all_reduce(loss)
@@ -314,9 +330,9 @@ def main(argv: list[str] | None = None) -> int:
                 elapsed = time.perf_counter() - start
                 print(f"iter {iteration} loss {loss:.4f} lr {engine.get_lr()[0]:.3e} ({elapsed:.1f}s)", flush=True)
         if args.save and args.save_interval and iteration % args.save_interval == 0:
-            engine.save_checkpoint(args.save)  # carries the mechmon state in client_state
+            engine.save_checkpoint(args.save, client_state=client_state())  # mechmon adds its state
     if args.save and (not args.save_interval or args.train_iters % args.save_interval):
-        engine.save_checkpoint(args.save)
+        engine.save_checkpoint(args.save, client_state=client_state())
     mechmon.detach()
     # Leave together: a rank that exits while a peer is still inside a gloo collective makes the
     # peer's gloo thread abort ("terminate called without an active exception").

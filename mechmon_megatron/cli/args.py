@@ -13,6 +13,7 @@ from typing import Callable, Optional
 
 from mechmon_megatron._version import __version__
 from mechmon_megatron.session.config import ACTIONS, MONITOR_FAMILIES, MechmonConfig
+from mechmon_megatron.session.host_settings import graphed_router
 from mechmon_megatron.session.startup import RunFacts, validate_startup
 
 logger = logging.getLogger(__name__)
@@ -245,6 +246,7 @@ def run_facts(args: argparse.Namespace) -> RunFacts:
         save_flag="--save",
         host_timeout_s=_host_timeout_s(args),
         host_timeout_flag="--distributed-timeout-minutes",
+        graphed_router=graphed_router(args),
     )
 
 

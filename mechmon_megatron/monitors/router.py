@@ -395,6 +395,7 @@ def summarize_routing(
     num_bins: int = DEFAULT_ENTROPY_BINS,
     routing_map: Tensor | None = None,
     score_function: str = "softmax",
+    token_mask: Tensor | None = None,
 ) -> RouterEntropySummary:
     """Build the reducible summary of one router's logits for one micro-batch.
 
@@ -408,6 +409,10 @@ def summarize_routing(
             logits are still excluded).
         score_function: the router's score function (:data:`SCORE_FUNCTIONS`), which defines
             the routing entropy (:func:`routing_entropy`).
+        token_mask: optional ``[...]`` (one entry per token of ``logits``, any dtype; nonzero
+            keeps the token) selecting the tokens that count, e.g. DeepSpeed's ``used_token``.
+            Masked tokens are left out of every field, as if absent, without boolean indexing
+            (which would read the kept count back to the host).
 
     Returns:
         :class:`RouterEntropySummary` with fp64 tensors on ``logits.device``; no host sync.
@@ -420,6 +425,13 @@ def summarize_routing(
     flat_logits = logits.reshape(-1, num_experts)
     entropy = routing_entropy(flat_logits, score_function)
     finite = torch.isfinite(entropy)
+    present = torch.ones_like(finite)
+    if token_mask is not None:
+        if token_mask.numel() != flat_logits.shape[0]:
+            raise ValueError(f"token_mask must have one entry per token of the logits {tuple(logits.shape)}, "
+                             f"got {tuple(token_mask.shape)}.")
+        present = token_mask.reshape(-1).to(device=finite.device) != 0
+        finite = finite & present  # a masked token is neither counted nor non-finite
     log_e = math.log(num_experts)
     # Bin index of each token; rounding can put H a hair outside [0, log E], hence the clamp.
     # Non-finite tokens go to an extra bin that is dropped.
@@ -446,7 +458,7 @@ def summarize_routing(
         num_experts=num_experts,
         num_bins=num_bins,
         num_tokens=finite.sum(dtype=torch.float64),
-        num_nonfinite=(~finite).sum(dtype=torch.float64),
+        num_nonfinite=(present & ~finite).sum(dtype=torch.float64),
         entropy_sum=torch.where(finite, h64, torch.zeros_like(h64)).sum(),
         histogram=histogram,
         expert_counts=counts.to(torch.float64),

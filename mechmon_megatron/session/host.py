@@ -124,12 +124,14 @@ class RouterSite:
     drops_tokens: bool = False
     """The router drops assignments beyond an expert capacity (the check reports the dropped share)."""
 
-    def capture(self, logits: torch.Tensor, routing_map: Optional[torch.Tensor] = None) -> None:
+    def capture(self, logits: torch.Tensor, routing_map: Optional[torch.Tensor] = None,
+                token_mask: Optional[torch.Tensor] = None) -> None:
         """Add one micro-batch's router logits ``[..., num_experts]`` to the running summary.
 
         ``routing_map``: the router's actual bool assignment (one row per token; after an expert
         bias, group-limited selection, capacity dropping); without it the expert counts are the
-        top-k of the logits. Runs inside the host's forward: it never raises (a failure is kept
+        top-k of the logits. ``token_mask``: one entry per token, zero for a token that does not
+        count (``summarize_routing``). Runs inside the host's forward: it never raises (a failure is kept
         for the check, which counts it) and never synchronises with the host.
         """
         if self.capture_error is not None:
@@ -137,7 +139,7 @@ class RouterSite:
         try:
             routed = None if routing_map is None else routing_map.detach()
             flat = summarize_routing(logits.detach(), self.topk, num_bins=self.num_bins, routing_map=routed,
-                                     score_function=self.score_function).to_flat_tensor()
+                                     score_function=self.score_function, token_mask=token_mask).to_flat_tensor()
             self.summary = flat if self.summary is None else self.summary + flat
             self.micro_batches += 1
         except Exception as exc:  # noqa: BLE001 -- never kill the training forward

@@ -11,7 +11,8 @@ about at once (the monitors would then be off while the job looks watched):
   ``theta``, known overlaps, families and levels; a tail for every family at this overlap);
 * derived quantities: the per-test false-alarm probability ``R / (N C)`` of the job's tests must
   lie in (0, 1), and the thresholds must follow from it;
-* combinations: ``checkpoint-and-abort`` needs a save folder the host will write;
+* combinations: ``checkpoint-and-abort`` needs a save folder the host will write; the router
+  monitors refuse a CUDA-graphed router (``session/host_settings.py``);
   ``--mechmon-log-dir`` must be (or become) a writable folder; ``--mechmon-collective-timeout``
   below half of the host's own collective timeout;
 * the schedule against the run: a check interval, window or drill step that never happens
@@ -42,6 +43,7 @@ __all__ = [
     "StartupReport",
     "check_detector",
     "directory_problem",
+    "graphed_router_message",
     "job_layers",
     "validate_startup",
 ]
@@ -76,6 +78,8 @@ class RunFacts:
 
     host_timeout_flag: str = "--distributed-timeout-minutes"
     """The host's flag (or config key) that sets ``host_timeout_s``."""
+    graphed_router: Optional[str] = None
+    """The host flags that put the MoE router in a CUDA graph (``host_settings.graphed_router``)."""
 
 
 @dataclass
@@ -123,8 +127,18 @@ def validate_startup(config: MechmonConfig, facts: RunFacts = RunFacts()) -> Sta
     if config.action == "checkpoint-and-abort" and facts.save_flag is not None:
         _check_save_dir(config, facts)
     _check_collective_timeout(config, facts)
+    if "router" in config.monitors and facts.graphed_router:
+        raise ValueError(graphed_router_message(facts.graphed_router))
     report.warnings += _schedule_warnings(config, facts)
     return report
+
+
+def graphed_router_message(setting: str) -> str:
+    """The refusal of a CUDA-graphed router (``setting``: the host flags that graph it)."""
+    return (f"--mechmon-monitors router cannot watch a CUDA-graphed MoE router ({setting}): a graph replay "
+            "skips the capture in Python, so the router statistics would be missing; leave router out of "
+            "--mechmon-monitors (e.g. --mechmon-monitors attn) or keep the router out of the graph "
+            "(--cuda-graph-scope attn)")
 
 
 def job_layers(config: MechmonConfig, num_layers: Optional[int]) -> dict[str, int]:

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import csv
-import sys
 from pathlib import Path
 from typing import Sequence
 
-from tests.megatron_core._torchrun import REPO_ROOT, TorchrunResult, _launch, free_port, run_torchrun
+from tests.megatron_core._torchrun import REPO_ROOT, TorchrunResult, run_ranks, run_torchrun
 
 SCRIPT = REPO_ROOT / "examples" / "pretrain_scripts" / "deepspeed_moe_mechmon.py"
 JOB_NAME = "deepspeed_moe_mechmon"  # csv_monitor.job_name of ds_config_mechmon.json
@@ -25,12 +24,11 @@ def run_example(args: Sequence[str], nproc: int, timeout_s: float = 150.0) -> To
     return run_torchrun(SCRIPT, [*MODEL, *map(str, args)], nproc=nproc, timeout_s=timeout_s, env=ENV)
 
 
-def run_example_deepspeed_launcher(args: Sequence[str], nproc: int, timeout_s: float = 150.0) -> TorchrunResult:
-    """The same job under DeepSpeed's own launcher (``deepspeed --num_gpus N``), which exits with
-    the failing worker's exit code (torchrun exits 1)."""
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(SCRIPT), *MODEL, *map(str, args)]
-    return _launch(cmd, timeout_s, ENV)
+def run_example_ranks(args: Sequence[str], nproc: int, timeout_s: float = 150.0) -> list[TorchrunResult]:
+    """The same job with each rank a plain process (rendezvous in the environment, as under srun):
+    nothing ends a rank when another exits, so each rank's own exit code is its own, and a rank
+    left waiting in a collective shows up as a timeout."""
+    return run_ranks(SCRIPT, [*MODEL, *map(str, args)], nproc=nproc, timeout_s=timeout_s, env=ENV)
 
 
 def read_csv_monitor(monitor_dir: Path) -> dict[str, dict[int, float]]:

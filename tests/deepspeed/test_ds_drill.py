@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.deepspeed._ds_runs import read_csv_monitor, run_example, run_example_deepspeed_launcher
+from tests.deepspeed._ds_runs import read_csv_monitor, run_example, run_example_ranks
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.distributed
 
+PROGRESS_AT_6 = {"micro_batches": 6, "tokens": 6 * 2 * 32}
 COMMON = ["--zero-stage", "2", "--ep-size", "2", "--save-interval", "2",
           "--mechmon-set", "interval=2", "--mechmon-set", "delta=2", "--mechmon-set", "exit_code=42"]
 
@@ -20,12 +21,12 @@ COMMON = ["--zero-stage", "2", "--ep-size", "2", "--save-interval", "2",
 def test_drill_checkpoint_abort_then_resume(tmp_path: Path):
     save, mon = tmp_path / "ckpt", tmp_path / "mon"
     common = [*COMMON, "--save", save, "--monitor-dir", mon]
-    # The abort run under DeepSpeed's launcher, which exits with the workers' code (42); the
-    # resume below runs under torchrun.
-    drill = run_example_deepspeed_launcher([*common, "--train-iters", "8", "--mechmon-set", "drill_at=6",
-                                            "--mechmon-set", 'action="checkpoint-and-abort"'], nproc=2)
-    assert drill.returncode == 42 and not drill.timed_out, drill.output[-3000:]
-    assert "exits with return code = 42" in drill.output, drill.output[-3000:]
+    # Each rank a plain process: every rank's own exit code is the agreed one (a launcher would
+    # report the first worker's code and end the others).
+    drill = run_example_ranks([*common, "--train-iters", "8", "--mechmon-set", "drill_at=6",
+                               "--mechmon-set", 'action="checkpoint-and-abort"'], nproc=2)
+    for rank, result in enumerate(drill):
+        assert result.returncode == 42 and not result.timed_out, (rank, result.output[-3000:])
 
     assert (save / "latest").read_text().strip() == "global_step6"
     step6 = save / "global_step6"
@@ -41,6 +42,9 @@ def test_drill_checkpoint_abort_then_resume(tmp_path: Path):
     states = torch.load(step6 / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
     assert states["mechmon_alert"]["iteration"] == 6
     assert states["mechmon"]["version"] == 2
+    # The training loop's own client state (attach(client_state_fn=...)) at the abort: 6 steps of
+    # one micro-batch of 2 x 32 tokens per rank (global batch 4 over 2 ranks).
+    assert states["example_progress"] == PROGRESS_AT_6, states["example_progress"]
 
     series = read_csv_monitor(mon)
     assert series["mechmon_alarm"][6] == 1.0 and series["mechmon_alarm"][4] == 0.0
@@ -49,8 +53,10 @@ def test_drill_checkpoint_abort_then_resume(tmp_path: Path):
     resumed = run_example([*common, "--train-iters", "10", "--load", save], nproc=2)
     resumed.check(0)
     assert "resumed from" in resumed.output and "at step 6" in resumed.output
+    assert f"example_progress {json.dumps(PROGRESS_AT_6)}" in resumed.output, resumed.output[-3000:]
     assert (save / "latest").read_text().strip() == "global_step10"
     state = torch.load(save / "global_step10" / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    assert state["example_progress"] == {"micro_batches": 10, "tokens": 10 * 2 * 32}  # 6 restored + 4 trained
     trends = {(f, layer, member): values for f, layer, member, values in state["mechmon"]["detector"]["trends"]}
     # checks 2, 4, 6 before the abort and 8, 10 after: the baseline was restored, not re-warmed
     assert max(len(v) for v in trends.values()) == 5, {k: len(v) for k, v in trends.items()}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("deepspeed")
 
@@ -47,6 +48,52 @@ def test_capture_recomputes_logits_on_armed_training_forwards():
     with pytest.raises(RuntimeError, match="already has a mechmon capture hook"):
         install_gate_capture(gate, site, lambda: True)
     handle.remove()
+
+
+class _OpLog(TorchDispatchMode):
+    """Every aten op run inside the block (CPU stands in for the accelerator: an op that reads a
+    value back to the host, or sizes its output from the data, is one that syncs on a GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket))
+        if func.overloadpacket is torch.ops.aten.index and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ())
+                if i is not None):
+            self.ops.append("bool-mask-index")
+        return func(*args, **(kwargs or {}))
+
+
+DATA_DEPENDENT = {"aten.nonzero", "aten._local_scalar_dense", "aten.masked_select", "aten.item", "bool-mask-index"}
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_used_token_mask_equals_boolean_indexing_and_never_syncs(seed: int):
+    """The used_token mask inside the summary gives the summary of the kept tokens alone (the old
+    formulation, ``logits[used_token != 0]``), with no data-dependent op in the forward hook."""
+    torch.manual_seed(seed)
+    gate = TopKGate(16, 4, k=2, top2_2nd_expert_sampling=False)
+    site = _site()
+    install_gate_capture(gate, site, lambda: True)
+    tokens = torch.randn(3, 7, 16)
+    tokens[0, 2] = float("nan")  # one non-finite token among the kept ones, one among the masked
+    tokens[1, 5] = float("inf")
+    used = (torch.rand(21) > 0.4).long()
+    used[2], used[12] = 1, 0
+    (hook,) = gate._forward_pre_hooks.values()  # the capture hook alone, not the gate's own routing
+    with _OpLog() as log:
+        hook(gate, (tokens, used))
+    assert site.capture_error is None and site.micro_batches == 1
+    assert not DATA_DEPENDENT & set(log.ops), sorted(DATA_DEPENDENT & set(log.ops))
+
+    flat = tokens.reshape(-1, 16)
+    old = (flat @ gate.wg.weight.detach().t())[used != 0]  # the old, syncing formulation
+    expected = summarize_routing(old, 2, num_bins=site.num_bins).to_flat_tensor()
+    torch.testing.assert_close(site.summary, expected, rtol=0, atol=1e-12)
+    assert float(site.summary[0]) == int(used.sum()) - 1  # kept tokens, less the non-finite one
 
 
 def test_find_gates_in_module_order():

@@ -90,15 +90,28 @@ WORKER = textwrap.dedent(
         def on_train_start(self, ctx):
             self.group = ps.get_data_parallel_group(with_context_parallel=True)
             self.items = []
-            for item in find_modules(ctx.model_chunks)[0]:
+            self.gathered = []
+            for index, item in enumerate(find_modules(ctx.model_chunks)[0]):
                 weight = item.module.linear_qkv.weight
                 reader, source = main_params.weight_reader(weight, ctx.optimizer, self.group, layer=item.name)
                 model, model_source = main_params.weight_reader(weight, ctx.optimizer, self.group, layer=item.name,
                                                                 setting="model")
                 self.items.append((item.name, weight, reader, source, model, model_source))
+                if reader.collective:  # a second reader used as the sites use it: layer i on replica i % dp, Q/K rows
+                    from mechmon_megatron.session.qkv_layout import qkv_row_indices
+                    cfg = item.module.config
+                    q, k = qkv_row_indices(cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads,
+                                           item.module.hidden_size_per_attention_head)
+                    rows = torch.cat([q.reshape(-1), k.reshape(-1)])
+                    gathered, _ = main_params.weight_reader(weight, ctx.optimizer, self.group, layer=item.name)
+                    gathered.configure_use(index % dist.get_world_size(self.group) == dist.get_rank(self.group), rows)
+                    self.gathered.append((item.name, weight, gathered, rows))
             guard().create_declared()  # mechmon's own copies of the groups the readers gather over (issue 21)
             for name, _, reader, *_ in self.items:
                 self.initial[name] = reader().clone()
+            for i, (name, weight, gathered, rows) in enumerate(self.gathered):
+                first = gathered()
+                self.gathered[i] = (name, weight, gathered, rows, None if first is None else first.clone())
             members = getattr(ctx.optimizer, "chained_optimizers", [ctx.optimizer])
             self.rows.append({"members": [type(m).__name__ for m in members]})
         def on_step_end(self, iteration, ctx):
@@ -134,6 +147,19 @@ WORKER = textwrap.dedent(
                 m = model()
                 row["model_read_is_param"] = m.data_ptr() == weight.data_ptr() and m.dtype == weight.dtype
                 self.rows.append(row)
+            for name, weight, gathered, rows, initial in self.gathered:  # every rank, in order: collectives
+                value = gathered()
+                ref = truth(weight, ctx.optimizer, self.group, {})
+                row = {"gathered": True, "iteration": iteration, "layer": name, "received": value is not None,
+                       "traffic": dict(gathered.traffic), "numel": weight.numel(),
+                       "qk_numel": rows.numel() * weight.shape[-1]}
+                if value is not None:
+                    read_rows = torch.zeros(weight.shape[0], dtype=torch.bool)
+                    read_rows[rows] = True
+                    row["qk_equals_truth"] = torch.equal(value[rows], ref[rows])
+                    row["other_rows_zero"] = bool((value[~read_rows] == 0).all())
+                    row["moved"] = not torch.equal(value, initial)
+                self.rows.append(row)
         def on_exit(self, request, checkpoint_dir):
             rank = dist.get_rank()
             with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -162,7 +188,15 @@ def _members(rows: list[dict]) -> list[str]:
 
 
 def _checks(rows: list[dict]) -> list[dict]:
-    return [r for r in rows if "members" not in r]
+    return [r for r in rows if "members" not in r and "gathered" not in r]
+
+
+@pytest.fixture(scope="module")
+def distopt_dp2(tmp_path_factory) -> list[list[dict]]:
+    """One DP=2 run of the distributed optimizer (3 layers: the buffer split puts layer 2's
+    linear_qkv.weight half on each rank), with a failure injected on rank 1 at iteration 4."""
+    flags = ["--bf16", "--use-distributed-optimizer", "--num-layers", "3"]
+    return _run(tmp_path_factory.mktemp("distopt"), "distopt", flags, nproc=2, inject=True)
 
 
 def _assert_main_rows(rows: list[dict]) -> None:
@@ -191,10 +225,8 @@ def test_float16_optimizer_bf16_reads_fp32_main(tmp_path):
 
 
 @pytest.mark.distributed
-def test_distributed_optimizer_dp2_gathers_full_main_on_every_rank(tmp_path):
-    # 3 layers: the buffer split puts layer 2's linear_qkv.weight half on each rank.
-    flags = ["--bf16", "--use-distributed-optimizer", "--num-layers", "3"]
-    rank0, rank1 = _run(tmp_path, "distopt", flags, nproc=2, inject=True)
+def test_distributed_optimizer_dp2_gathers_full_main_on_every_rank(distopt_dp2):
+    rank0, rank1 = distopt_dp2
     assert _members(rank0) == ["DistributedOptimizer"]
     rank0, rank1 = _checks(rank0), _checks(rank1)
     plain0 = [r for r in rank0 if r["iteration"] == 2]
@@ -212,6 +244,33 @@ def test_distributed_optimizer_dp2_gathers_full_main_on_every_rank(tmp_path):
     failed1 = [r for r in rank1 if r["iteration"] == 4]
     assert failed0 and all(r["error"].startswith("PeerFailure") for r in failed0), failed0
     assert failed1 and all("injected out of memory" in r["error"] for r in failed1), failed1
+
+
+@pytest.mark.distributed
+def test_distributed_optimizer_gathers_qk_rows_to_the_using_replica_only(distopt_dp2):
+    """With the sites' use (layer i on replica i % 2, Q and K rows only): the using rank gets
+    exactly megatron's FP32 main Q/K rows, the other gets None, and the elements each rank sends
+    and receives are those of the gather, not of an all-reduce of the whole weight."""
+    ranks = [[r for r in rows if r.get("gathered")] for rows in distopt_dp2]
+    for rank, rows in enumerate(ranks):
+        assert len(rows) == 3 * 2, rows  # 3 layers x checks at 2 and 4
+        for row in rows:
+            index = int(re.search(r"layers\.(\d+)\.", row["layer"]).group(1))
+            uses = index % 2 == rank
+            assert row["received"] == uses, (rank, row)
+            reads = 1 + row["iteration"] // 2  # the first read at start-up, then one per check
+            traffic = row["traffic"]
+            if uses:
+                assert row["qk_equals_truth"] and row["other_rows_zero"] and row["moved"], row
+                assert traffic["sent"] == 0 and 0 < traffic["received"] <= reads * row["qk_numel"], row
+            else:
+                assert traffic["received"] == 0 and traffic["sent"] <= reads * row["qk_numel"], row
+    # Over both ranks each read moves at most the Q/K rows once (padding aside), where the
+    # all-reduce moved the whole weight each way on each rank (2 (n - 1) / n x numel, n = 2).
+    for a, b in zip(*ranks):
+        reads = 1 + a["iteration"] // 2
+        moved = a["traffic"]["received"] + b["traffic"]["received"]
+        assert moved <= reads * a["qk_numel"] < reads * 2 * a["numel"], (a, b)
 
 
 @pytest.mark.distributed
@@ -338,11 +397,13 @@ def test_cpu_shim_is_idempotent():
 
 
 def test_monitored_bf16_job_with_distributed_optimizer_reads_main_params_on_every_dp_rank(tmp_path):
-    """The session end to end: BF16 model, FP32 main parameters sharded over DP=2 by the
+    """The session end to end: BF16 GPT-MoE, FP32 main parameters sharded over DP=2 by the
     distributed optimizer. Every DP rank joins the collective reads (the per-head and full-matrix
-    work is spread over both), nothing hangs, and the snapshot budget counts 4-byte elements."""
+    work is spread over both; the Q/K rows go to the using replica, the router weights to the
+    reporting rank), nothing hangs, and the snapshot budget counts 4-byte elements."""
     script = REPO_ROOT / "examples" / "pretrain_scripts" / "pretrain_gpt_mechmon.py"
     args = [*TINY[:-4], "--train-iters", "8", "--global-batch-size", "4", "--bf16", "--use-distributed-optimizer",
+            "--num-experts", "4", "--moe-router-topk", "2",
             "--mechmon", "--mechmon-interval", "2", "--mechmon-delta", "2", "--mechmon-log-dir", str(tmp_path)]
     result = run_torchrun(script, args, nproc=2, timeout_s=240).check(0)
     assert "reading the model weights, not FP32 main parameters" not in result.output
@@ -356,4 +417,6 @@ def test_monitored_bf16_job_with_distributed_optimizer_reads_main_params_on_ever
     last = rows[-1]["scalars"]
     for layer in (1, 2):
         assert f"mechmon/attn/delta2_entropy/layer_{layer}" in last and f"mechmon/attn/dw_entropy/layer_{layer}" in last
+        # the router weight: its FP32 main shards gathered to the reporting rank before the check
+        assert f"mechmon/router/weight_similarity/layer_{layer}" in last
     assert last["mechmon/errors"] == 0.0

@@ -74,7 +74,7 @@ def scalars(tb_dir: str):
 
 
 def trends(state_file: str) -> dict:
-    detector = json.load(open(state_file))["detector"]
+    detector = json.load(open(state_file))["mechmon"]["detector"]
     return {tuple(entry[:3]): entry[3] for entry in detector["trends"]}
 
 
@@ -115,7 +115,9 @@ def test_drill_checkpoints_aborts_every_rank_and_resumes(tmp_path):
     assert result.returncode == 0 and not result.timed_out, result.output[-6000:]
     assert all("restored detector state from" in log for log in rank_logs)
     assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == "30"
-    saved, resumed = (trends(os.path.join(ckpt, f"iter_{t:07d}", "mechmon_state.json")) for t in (20, 30))
+    # The writer (the last rank, 1) holds the detectors: its own state file under the one key.
+    saved, resumed = (trends(os.path.join(ckpt, f"iter_{t:07d}", "mechmon_state", "rank_00001.json"))
+                      for t in (20, 30))
     assert saved.keys() == resumed.keys()
     for key, history in saved.items():  # the resumed run extended the saved history by 25 and 30
         assert resumed[key][: len(history)] == history and len(resumed[key]) == len(history) + 2, key

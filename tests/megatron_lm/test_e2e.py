@@ -121,7 +121,9 @@ def test_drill_checkpoints_aborts_and_resumes(checkout, tmp_path):
     alert = json.load(open(os.path.join(iter_dir, "mechmon_alert.json")))
     assert alert["iteration"] == 20 and alert["family"] == "drill" and alert["exit_code"] == EXIT_CODE
     assert alert["checkpoint_dir"] == iter_dir
-    assert json.load(open(os.path.join(iter_dir, "mechmon_state.json")))["version"] == 2
+    for rank in range(WORLD):  # every rank's own mechmon state, under the one "mechmon" key
+        state = json.load(open(os.path.join(iter_dir, "mechmon_state", f"rank_{rank:05d}.json")))["mechmon"]
+        assert state["version"] == 2
 
     events = EventAccumulator(
         glob.glob(os.path.join(workdir, "tb", "events.out.tfevents.*"))[0], size_guidance={"scalars": 0}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import types
@@ -26,25 +27,36 @@ from mechmon_megatron.session.alert import ALERT_FILENAME  # noqa: E402
 SEQ, VOCAB = 16, 64
 
 
-def build(num_experts: int = 4):
-    """A DDP-wrapped 2-layer GPT-MoE and a Megatron optimizer, as Megatron-LM's get_model builds."""
+def build(num_experts: int = 4, bf16_distributed: bool = False):
+    """A DDP-wrapped 2-layer GPT-MoE and a Megatron optimizer, as Megatron-LM's get_model builds.
+
+    ``bf16_distributed``: BF16 parameters, the distributed optimizer (FP32 main shards) and the
+    overlapped parameter gather (``--bf16 --use-distributed-optimizer --overlap-param-gather``)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer import TransformerConfig
 
+    dtype = torch.bfloat16 if bf16_distributed else torch.float32
     config = TransformerConfig(
         num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=8,
         ffn_hidden_size=64, use_cpu_initialization=True, num_moe_experts=num_experts, moe_router_topk=2,
-        moe_token_dispatcher_type="allgather", add_bias_linear=False,
+        moe_token_dispatcher_type="allgather", add_bias_linear=False, bf16=bf16_distributed, params_dtype=dtype,
+        pipeline_dtype=dtype,
     )
     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ)
-    ddp = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(), module=model)
+    if bf16_distributed:
+        model = model.to(dtype)
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=bf16_distributed,
+                                               overlap_grad_reduce=bf16_distributed,
+                                               overlap_param_gather=bf16_distributed)
+    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     config.finalize_model_grads_func = finalize_model_grads
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-2, params_dtype=torch.float32, use_distributed_optimizer=False), [ddp]
+        OptimizerConfig(optimizer="adam", lr=1e-2, params_dtype=dtype, bf16=bf16_distributed,
+                        use_distributed_optimizer=bf16_distributed), [ddp]
     )
     return [ddp], optimizer
 
@@ -114,8 +126,9 @@ def test_hooks_write_megatron_scalars_and_abort_through_exit_interval(model_para
     assert {step for _, _, step in writer.scalars} == {2, 4, 6}
     assert any("mechmon/router/token_entropy/layer_1" in s for _, s in wandb.logged)
     state_dir = mlm.checkpoint_iter_dir(args.save, 6)
-    state = json.load(open(os.path.join(state_dir, mlm.STATE_FILENAME)))
+    state = json.load(open(mlm.state_path(state_dir, 0)))["mechmon"]  # this (only) rank's file, one key
     assert state["version"] == 2 and state["checkpoints"] == [{"iteration": 6, "path": state_dir}]
+    assert not os.path.exists(os.path.join(state_dir, mlm.STATE_FILENAME))  # the older single file is gone
 
     alert_path = hooks.finish_abort()
     assert alert_path == os.path.join(state_dir, ALERT_FILENAME)
@@ -141,6 +154,33 @@ def test_resume_restores_detectors_from_load(model_parallel, tmp_path):
         build()[0], 6
     )  # fresh chunks (one capture hook per router); Megatron's first train_step after --load at iteration 5
     assert resumed.session.state_dict()["detector"] == json.loads(json.dumps(saved["detector"]))
+
+
+def test_resume_from_the_older_single_state_file_with_one_notice(model_parallel, tmp_path, caplog):
+    """mechmon <= 0.3 wrote the writer's state alone to iter_XXXXXXX/mechmon_state.json."""
+    from mechmon_megatron.session import state_format
+
+    chunks, optimizer = build()
+    flags = ("--mechmon", "--mechmon-interval", "1", "--mechmon-delta", "1")
+    args = megatron_args(tmp_path, *flags)
+    hooks = mlm.MegatronLMHooks(lambda: args)
+    run_like_megatron(hooks, chunks, optimizer, args, 0, 4, torch.Generator().manual_seed(2))
+    hooks.after_save(4)
+    directory = mlm.checkpoint_iter_dir(args.save, 4)
+    saved = json.load(open(mlm.state_path(directory, 0)))["mechmon"]
+    os.remove(mlm.state_path(directory, 0))
+    with open(os.path.join(directory, mlm.STATE_FILENAME), "w") as f:  # the old layout: the bare state
+        json.dump(saved, f)
+
+    state_format._noticed.discard("megatron-lm-json")  # one notice per process: this test's own
+    resumed_args = megatron_args(tmp_path, *flags)
+    resumed_args.load = args.save
+    resumed = mlm.MegatronLMHooks(lambda: resumed_args)
+    with caplog.at_level("WARNING"):
+        resumed.before_step(build()[0], 5)
+    notices = [r for r in caplog.records if "older format" in r.getMessage()]
+    assert len(notices) == 1 and mlm.STATE_FILENAME in notices[0].getMessage()
+    assert resumed.session.state_dict()["detector"] == saved["detector"] and saved["detector"]["trends"]
 
 
 def test_router_capture_only_during_the_train_step(model_parallel, tmp_path):
@@ -169,6 +209,40 @@ def test_disabled_builds_nothing(model_parallel, tmp_path):
         assert hooks.after_step(chunks, iteration) is False
         hooks.after_save(iteration)
     assert hooks.session is None and args.exit_interval is None and not os.path.exists(args.save)
+
+
+@pytest.mark.parametrize("weights,synced", [("main", False), ("model", True)])
+def test_model_wide_param_sync_only_when_model_weights_are_read(model_parallel, tmp_path, weights, synced):
+    """BF16 + distributed optimizer + overlapped param gather: under --mechmon-weights main the
+    FP32 main parameters (attention and router) are read, current right after the step, so no
+    model-wide parameter gather runs; reading the model weights needs it on every read step."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tool", os.path.join(os.path.dirname(__file__), "..", "..", "tools",
+                                                                       "measure_main_param_reads.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    tool.allow_cpu_mixed_precision_optimizers()
+    chunks, optimizer = build(bf16_distributed=True)
+    args = megatron_args(tmp_path, "--mechmon", "--mechmon-interval", "2", "--mechmon-delta", "2",
+                         "--mechmon-weights", weights)
+    args.use_distributed_optimizer = args.overlap_param_gather = True
+    writer = Writer()
+    hooks = mlm.MegatronLMHooks(lambda: args, lambda: writer)
+    hooks.optimizer = optimizer
+    calls: list = []
+    sync = chunks[0].start_param_sync
+    chunks[0].start_param_sync = lambda *a, force_sync=False, **k: (calls.append(force_sync),
+                                                                    sync(*a, force_sync=force_sync, **k))
+    run_like_megatron(hooks, chunks, optimizer, args, 0, 4, torch.Generator().manual_seed(3))
+    assert hooks.reads.needs_param_sync is synced
+    assert (True in calls) is synced, calls
+    assert len(hooks.reads.router_reads) == (2 if weights == "main" else 0)  # the two routers' FP32 main weights
+    values = {name: value for name, value, step in writer.scalars if step == 4}
+    for layer in (1, 2):  # both the attention and the router checks ran on the read weights
+        assert f"mechmon/attn/delta2_entropy/layer_{layer}" in values
+        assert math.isfinite(values[f"mechmon/router/weight_similarity/layer_{layer}"])
+    assert values["mechmon/errors"] == 0.0
 
 
 def test_force_param_sync_calls_every_ddp_chunk(model_parallel):

@@ -62,6 +62,23 @@ def test_sigmoid_site_with_routing_map_equals_the_summary_of_all_tokens():
     assert not torch.equal(expected.entropy_sum, softmax.entropy_sum)
 
 
+def test_token_mask_equals_the_summary_of_the_kept_tokens_alone():
+    """DeepSpeed's used_token: the mask inside the summary == summarising the kept rows only."""
+    site = _site()
+    batches = _micro_batches("cpu")
+    batches[1][3, 0, 2] = float("nan")  # a masked non-finite token (index 6) is not reported
+    masks = [(torch.arange(32) % 3 != 0).long() for _ in batches]
+    masks[1][6] = 0
+    for logits, mask in zip(batches, masks):
+        site.capture(logits, token_mask=mask)
+    kept = torch.cat([b.reshape(-1, EXPERTS)[m != 0] for b, m in zip(batches, masks)])
+    expected = summarize_routing(kept, TOPK, num_bins=64)
+    torch.testing.assert_close(site.summary, expected.to_flat_tensor(), rtol=0, atol=1e-12)
+    assert expected.num_nonfinite.item() == 0 and expected.num_tokens.item() == sum(int(m.sum()) for m in masks)
+    with pytest.raises(ValueError, match="token_mask must have one entry per token"):
+        summarize_routing(batches[0], TOPK, token_mask=torch.ones(5))
+
+
 def test_a_failing_capture_is_kept_for_the_check_and_never_raises_in_the_forward():
     site = _site()
     site.capture(torch.randn(4, 3))  # 3 != 8 experts: the summary cannot be added
@@ -71,18 +88,22 @@ def test_a_failing_capture_is_kept_for_the_check_and_never_raises_in_the_forward
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (tools/gpu_check.sh)")
-@pytest.mark.parametrize("score_function, with_map", [("softmax", False), ("sigmoid", True), ("sqrtsoftplus", True)])
-def test_capture_on_cuda_never_synchronises_with_the_host(score_function, with_map):
+@pytest.mark.parametrize("score_function, with_map, with_mask",
+                         [("softmax", False, False), ("sigmoid", True, False), ("sqrtsoftplus", True, False),
+                          ("softmax", False, True)])
+def test_capture_on_cuda_never_synchronises_with_the_host(score_function, with_map, with_mask):
     site = _site(bins=512, score_function=score_function)
     batches = _micro_batches("cuda")
     maps = _routing_maps(batches) if with_map else [None] * len(batches)
+    # DeepSpeed's used_token mask (gate_capture.py): a mask inside the summary, no boolean indexing.
+    masks = [(torch.arange(32, device="cuda") % 3 != 0).long() if with_mask else None for _ in batches]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # any device-to-host sync raises
     try:
-        for logits, routing_map in zip(batches, maps):
+        for logits, routing_map, mask in zip(batches, maps, masks):
             # As the megatron-core adapter does with moe_pad_expert_input_to_capacity.
             routed = None if routing_map is None else routing_map & (logits.reshape(-1, EXPERTS) != 0)
-            site.capture(logits, routed)
+            site.capture(logits, routed, token_mask=mask)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert site.capture_error is None, site.capture_error

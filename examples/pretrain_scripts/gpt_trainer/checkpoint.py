@@ -4,7 +4,8 @@ Layout (like Megatron-LM's)::
 
     SAVE/latest_checkpointed_iteration.txt      # "7": the last complete checkpoint
     SAVE/iter_0000007/                         # dist_checkpointing.save(model + optimizer)
-    SAVE/iter_0000007/mechmon_extra/rank_00000.pt  # iteration, LR scheduler, RNG, callbacks
+    SAVE/iter_0000007/mechmon_extra/rank_00000.pt  # iteration, LR scheduler, RNG, callbacks,
+                                                   # and the monitors' state under "mechmon"
 
 The model and optimizer are saved as sharded state dicts (``model.sharded_state_dict()``,
 ``optimizer.sharded_state_dict(model_sd)``), so they can be loaded with another TP/PP layout.

@@ -13,6 +13,8 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from mechmon_megatron.session.state_format import STATE_KEY
+
 from .callbacks import CallbackList, ExitRequest, TrainContext
 from .checkpoint import save_checkpoint
 from .data import SampleSchedule
@@ -57,7 +59,12 @@ class Trainer:
         """Save now (collective); a no-op returning None without ``--save``."""
         if not self.args.save:
             return None
-        extra = {"callbacks": self.callbacks.state_dict()}
+        states = self.callbacks.state_dict()
+        # The monitoring session's state goes under its one key (mechmon's format on every host,
+        # session/state_format.py), per rank like the rest of this file; other callbacks' below.
+        extra: dict = {"callbacks": {name: sd for name, sd in states.items() if name != STATE_KEY}}
+        if STATE_KEY in states:
+            extra[STATE_KEY] = states[STATE_KEY]
         return save_checkpoint(self.args.save, iteration, self.model_chunks, self.optimizer,
                                self.scheduler, extra)
 

@@ -12,6 +12,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
+from mechmon_megatron.session.state_format import STATE_KEY, state_of
+
 from .args import ArgsProvider, parse_args, validate_args
 
 ROUTER_PARAM_PATTERN = "*.router.*"
@@ -85,7 +87,11 @@ def main(argv: Optional[Sequence[str]] = None,
     if args.load:
         iteration, extra = load_checkpoint(args.load, model_chunks, optimizer, scheduler,
                                            step=args.ckpt_step)
-        callbacks.load_state_dict(extra.get("callbacks", {}))
+        states = dict(extra.get("callbacks", {}))
+        monitor_state = state_of(extra, f"--load {args.load}")  # the current key, or the old layout with a notice
+        if monitor_state is not None:
+            states[STATE_KEY] = monitor_state
+        callbacks.load_state_dict(states)
         if rank == 0:
             print(f"loaded checkpoint from {args.load} at iteration {iteration}", flush=True)
 

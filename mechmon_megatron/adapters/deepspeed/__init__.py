@@ -12,7 +12,7 @@ checkpoint's ``client_state``. See docs/DEEPSPEED.md.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 from mechmon_megatron.adapters.deepspeed.config import config_from_ds_config, parse_section, read_ds_config
 from mechmon_megatron.adapters.deepspeed.engine_hooks import CLIENT_ALERT_KEY, CLIENT_STATE_KEY, MechmonDeepSpeed
@@ -43,13 +43,19 @@ def attach(
     engine: Any,
     config: Union[None, MechmonConfig, Mapping[str, Any], str, os.PathLike] = None,
     checkpoint_dir: Optional[str] = None,
+    client_state_fn: Optional[Callable[[], Mapping[str, Any]]] = None,
 ) -> MechmonDeepSpeed:
     """Attach the monitors to ``engine`` on every rank (after ``deepspeed.initialize``).
 
     ``config``: None (read the ``"mechmon"`` section of the engine's own DeepSpeed config), a
     :class:`MechmonConfig`, a ``"mechmon"`` section dict, or a whole DeepSpeed config (dict or
     JSON path) holding one. ``checkpoint_dir`` overrides ``mechmon.checkpoint_dir`` for
-    checkpoint-and-abort. A disabled config returns an object that does nothing.
+    checkpoint-and-abort. ``client_state_fn``: returns the training loop's own ``client_state``
+    (sampler position, counters) at the moment it is called; the abort checkpoint of
+    checkpoint-and-abort holds it beside mechmon's keys, so a resume from that checkpoint
+    restores it. It is called once here to check it (a mapping with none of mechmon's keys
+    ``"mechmon"`` / ``"mechmon_alert"``). The abort folder is checked here too. Bad input raises
+    ``ValueError`` naming the key. A disabled config returns an object that does nothing.
     """
     if config is None:
         config = config_from_ds_config(_engine_ds_config(engine))
@@ -59,4 +65,4 @@ def attach(
         config = config_from_ds_config(config)
     if not isinstance(config, MechmonConfig):
         raise TypeError(f"attach(config=...) takes a MechmonConfig, a dict or a JSON path, got {type(config).__name__}")
-    return MechmonDeepSpeed(engine, config, checkpoint_dir=checkpoint_dir)
+    return MechmonDeepSpeed(engine, config, checkpoint_dir=checkpoint_dir, client_state_fn=client_state_fn)

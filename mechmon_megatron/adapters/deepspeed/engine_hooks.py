@@ -6,10 +6,15 @@ the engine INSTANCE (the class is untouched):
 ``engine.step``
     After the original step, on steps where the update was applied (``was_step_applied()``,
     i.e. gradient-accumulation boundaries without fp16 overflow), run the session for iteration
-    ``engine.global_steps``; then arm router capture for the next iteration.
+    ``engine.global_steps``; then arm router capture for the next iteration. An overflow (a
+    boundary whose update was skipped: ``global_steps`` advanced, nothing applied) re-arms it;
+    a micro-step inside the accumulation (``global_steps`` unchanged) leaves the capture as it is,
+    so a check step's router statistics sum over all its micro-batches.
 ``engine.save_checkpoint``
-    Adds ``client_state["mechmon"] = session.state_dict()`` (detector baselines) and records the
-    checkpoint for the alert's "last checkpoint before the first warning".
+    Adds ``client_state["mechmon"] = session.state_dict()`` (detector baselines) to the user's own
+    client state and records the checkpoint for the alert's "last checkpoint before the first
+    warning". The abort checkpoint of checkpoint-and-abort holds the user's client state too,
+    taken from ``client_state_fn()`` (passed to ``attach``), plus ``client_state["mechmon_alert"]``.
 ``engine.load_checkpoint``
     Restores the detector state from the loaded ``client_state`` (no second warm-up) and restarts
     the schedule at the loaded step.
@@ -30,14 +35,15 @@ import functools
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import asdict
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from mechmon_megatron.adapters.deepspeed.attention_layouts import FoundAttention, find_attention, layer_numbers
-from mechmon_megatron.adapters.deepspeed.config import checkpoint_dir_of
+from mechmon_megatron.adapters.deepspeed.config import PREFIX, checkpoint_dir_of
 from mechmon_megatron.adapters.deepspeed.gate_capture import find_gates, install_gate_capture
 from mechmon_megatron.adapters.deepspeed.weights import read_full_param, read_is_collective
 from mechmon_megatron.session.collective_guard import CollectiveFailure, CollectivesOff, guard
@@ -52,6 +58,8 @@ from mechmon_megatron.session.host import (
     TorchDistributedCommunicator,
 )
 from mechmon_megatron.session.session import Decision, MonitoringSession
+from mechmon_megatron.session.startup import RunFacts, validate_startup
+from mechmon_megatron.session.state_format import STATE_KEY, state_of
 from mechmon_megatron.session.writers import (
     EventListWriter,
     JsonlScalarWriter,
@@ -62,8 +70,10 @@ from mechmon_megatron.session.writers import (
 
 logger = logging.getLogger(__name__)
 
-CLIENT_STATE_KEY = "mechmon"
+CLIENT_STATE_KEY = STATE_KEY  # mechmon's one key on every host (session/state_format.py)
 CLIENT_ALERT_KEY = "mechmon_alert"
+MECHMON_CLIENT_KEYS = (CLIENT_STATE_KEY, CLIENT_ALERT_KEY)
+"""client_state keys mechmon writes; a user's own client state must not use them."""
 JSONL_NAME = "mechmon_scalars.jsonl"
 WRITER_RANK = 0  # DeepSpeed's MonitorMaster writes on global rank 0 only
 
@@ -171,16 +181,19 @@ class MechmonDeepSpeed:
     ``restore(client_state)``, ``load_checkpoint(...)``, ``state_dict()``, ``detach()``.
     """
 
-    def __init__(self, engine: Any, config: MechmonConfig, checkpoint_dir: Optional[str] = None) -> None:
+    def __init__(self, engine: Any, config: MechmonConfig, checkpoint_dir: Optional[str] = None,
+                 client_state_fn: Optional[Callable[[], Mapping[str, Any]]] = None) -> None:
         self.engine = engine
         self.config = config
         self.checkpoint_dir = checkpoint_dir or checkpoint_dir_of(config)
+        self.client_state_fn = client_state_fn
         self._last_save_dir: Optional[str] = None
         self._handles: list = []
         self._originals: dict[str, Any] = {}
         if not config.enabled:
             self.session = MonitoringSession(config)  # disabled: allocates nothing, no hooks
             return
+        self._validate_abort_inputs()  # bad input is refused here, before any hook or allocation
         self.comm = TorchDistributedCommunicator(writer_rank=WRITER_RANK) if _distributed() else LocalCommunicator()
         model = engine.module
         self._attention_sites = self._build_attention_sites(model) if "attn" in config.monitors else []
@@ -275,17 +288,45 @@ class MechmonDeepSpeed:
         self._originals[method] = original
         setattr(self.engine, method, functools.wraps(original)(functools.partial(replacement, original)))
 
+    def _validate_abort_inputs(self) -> None:
+        """checkpoint-and-abort's folder and the user's client state, checked at ``attach``.
+
+        ``ValueError`` naming the key: no folder to save to (``checkpoint_dir`` / ``log_dir``) or
+        one this process cannot write; a ``client_state_fn`` that is not callable, raises, or
+        returns something other than a mapping, or a mapping with one of mechmon's own keys.
+        """
+        if self.client_state_fn is not None:
+            if not callable(self.client_state_fn):
+                raise ValueError(f"attach(client_state_fn=...) must be a callable returning the user's client_state "
+                                 f"dict, got {type(self.client_state_fn).__name__}")
+            user_client_state(self.client_state_fn, "attach(client_state_fn=...)")
+        if self.config.action != "checkpoint-and-abort":
+            return
+        directory = self.checkpoint_dir or self.config.log_dir
+        flag = f"{PREFIX}.checkpoint_dir (attach(checkpoint_dir=...) or {PREFIX}.log_dir)"
+        try:  # the start-up rule of every host, on the folder the abort will really use
+            validate_startup(self.config, RunFacts(save_dir=directory, save_flag=flag))
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("--mechmon-action", f"{PREFIX}.action")) from None
+        if self.client_state_fn is None and _rank() == 0:
+            logger.info("[mechmon] the checkpoint-and-abort checkpoint holds no client state of the training loop "
+                        "(sampler position, counters): pass attach(engine, client_state_fn=...) to include it")
+
     def _start(self, iteration: int) -> None:
         self.session.on_train_start(iteration)
         self.session.on_step_start(iteration + 1)
 
     # ------------------------------------------------------------------ wrapped engine methods
     def _step(self, original, *args, **kwargs):
+        before = int(self.engine.global_steps)
         out = original(*args, **kwargs)
+        after = int(self.engine.global_steps)
+        if after == before:
+            return out  # a micro-step inside the accumulation: the check step's capture goes on
         if self.engine.was_step_applied():
-            self._after_step(int(self.engine.global_steps))
-        else:  # accumulation micro-step or overflow: re-arm for the (unchanged or next) step
-            self.session.on_step_start(int(self.engine.global_steps) + 1)
+            self._after_step(after)
+        else:  # an overflow skipped the update: re-arm (a fresh summary) for the next iteration
+            self.session.on_step_start(after + 1)
         return out
 
     def _after_step(self, iteration: int) -> None:
@@ -300,6 +341,10 @@ class MechmonDeepSpeed:
 
     def _save_checkpoint(self, original, save_dir, tag=None, client_state=None, *args, **kwargs):
         merged = dict(client_state or {})
+        taken = sorted(set(merged) & {CLIENT_STATE_KEY})
+        if taken:  # refused before anything is written: the user's value would be replaced silently
+            raise ValueError(f"engine.save_checkpoint(client_state=...): key(s) {taken} are mechmon's "
+                             f"(the monitor state); rename them in your client state")
         merged[CLIENT_STATE_KEY] = self.session.state_dict()
         out = original(save_dir, tag, merged, *args, **kwargs)
         self._last_save_dir = str(save_dir)
@@ -320,7 +365,7 @@ class MechmonDeepSpeed:
         if not self.config.enabled:
             return
         self.session = self._new_session()  # fresh snapshots: the weights changed
-        self.session.load_state_dict((client_state or {}).get(CLIENT_STATE_KEY) or {})
+        self.session.load_state_dict(state_of(client_state, "the loaded client_state") or {})
         self._start(int(self.engine.global_steps))
 
     def load_checkpoint(self, *args, **kwargs):
@@ -357,7 +402,14 @@ class MechmonDeepSpeed:
         directory = self._abort_dir()
         tag = f"global_step{iteration}"
         alert = {"iteration": iteration, "alerts": [asdict(a) for a in decision.alerts]}
-        self.engine.save_checkpoint(directory, tag=tag, client_state={CLIENT_ALERT_KEY: alert})
+        client_state: dict[str, Any] = {}
+        if self.client_state_fn is not None:
+            try:  # validated at attach; a failure now still saves the model, without the user's part
+                client_state = user_client_state(self.client_state_fn, "client_state_fn()")
+            except ValueError as exc:
+                logger.error("[mechmon] rank %d: %s; the abort checkpoint is saved without it", _rank(), exc)
+        client_state[CLIENT_ALERT_KEY] = alert
+        self.engine.save_checkpoint(directory, tag=tag, client_state=client_state)
         self.session.on_abort_checkpoint_saved(iteration, os.path.join(directory, tag))
         self.session.close()
         if _distributed():
@@ -376,3 +428,21 @@ class MechmonDeepSpeed:
         sys.stdout.flush()
         sys.stderr.flush()
         sys.exit(decision.exit_code)
+
+
+def user_client_state(fn: Callable[[], Mapping[str, Any]], where: str) -> dict[str, Any]:
+    """``fn()`` as a plain dict, checked: a mapping, none of whose keys is one of mechmon's.
+
+    ``ValueError`` naming ``where`` otherwise (also when ``fn`` raises).
+    """
+    try:
+        state = fn()
+    except Exception as exc:  # noqa: BLE001 -- reported as bad input, naming the callback
+        raise ValueError(f"{where} raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(state, Mapping):
+        raise ValueError(f"{where} must return a dict (the user's client_state), got {type(state).__name__}")
+    taken = sorted(set(state) & set(MECHMON_CLIENT_KEYS))
+    if taken:
+        raise ValueError(f"{where} returns key(s) {taken}, which mechmon writes into the checkpoint's client_state "
+                         f"itself ({', '.join(MECHMON_CLIENT_KEYS)}); rename them in your client state")
+    return dict(state)

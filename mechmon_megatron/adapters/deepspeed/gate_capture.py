@@ -9,7 +9,9 @@ on every other forward the hook costs one boolean test.
 
 Notes: with ``noisy_gate_policy="Jitter"`` the gate sees a jittered input; we recompute from the
 clean input (the routing distribution without the training noise). Tokens masked out by
-``used_token`` are left out, as the gate leaves them out of its load.
+``used_token`` are left out, as the gate leaves them out of its load: as a mask inside the
+summary (``summarize_routing(token_mask=...)``), never by boolean indexing, whose output size
+would have to be read back to the host in the middle of the forward.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Callable, Iterator
 import torch
 
 from mechmon_megatron.session.host import RouterSite
+from mechmon_megatron.session.host_settings import in_backward
 
 
 def find_gates(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
@@ -30,14 +33,11 @@ def find_gates(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
     return ((name, m) for name, m in model.named_modules() if isinstance(m, TopKGate))
 
 
-def gate_logits(gate: torch.nn.Module, tokens: torch.Tensor, used_token: torch.Tensor | None = None) -> torch.Tensor:
+def gate_logits(gate: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """The gate's full logits ``[num_tokens, num_experts]`` (fp32) for its input ``[..., hidden]``."""
     with torch.no_grad():
         flat = tokens.detach().reshape(-1, tokens.shape[-1]).float()
-        logits = torch.nn.functional.linear(flat, gate.wg.weight.detach().float())
-        if used_token is not None:
-            logits = logits[used_token.detach().reshape(-1) != 0]
-    return logits
+        return torch.nn.functional.linear(flat, gate.wg.weight.detach().float())
 
 
 def install_gate_capture(gate: torch.nn.Module, site: RouterSite, armed: Callable[[], bool]):
@@ -46,15 +46,17 @@ def install_gate_capture(gate: torch.nn.Module, site: RouterSite, armed: Callabl
         raise RuntimeError(f"gate {site.name} already has a mechmon capture hook (attach once per engine)")
 
     def pre_hook(module: torch.nn.Module, args: tuple) -> None:
-        if not (module.training and armed()) or not args:
+        # in_backward: an activation-checkpoint recompute of the gate's forward counts no tokens again.
+        if not (module.training and armed()) or not args or in_backward():
             return None
         used_token = args[1] if len(args) > 1 and isinstance(args[1], torch.Tensor) else None
         try:
-            logits = gate_logits(module, args[0], used_token)
+            logits = gate_logits(module, args[0])
         except Exception as exc:  # noqa: BLE001 -- never kill the training forward; the check counts it
             site.capture_error = site.capture_error or exc
             return None
-        site.capture(logits)  # reduced at once to a small summary: no logits kept
+        # Reduced at once to a small summary (no logits kept); used_token masks, it never indexes.
+        site.capture(logits, token_mask=None if used_token is None else used_token.detach())
         return None
 
     handle = gate.register_forward_pre_hook(pre_hook)

@@ -13,6 +13,7 @@ Files, one job each: ``discovery`` (find attention layers and routers, global la
 
 from mechmon_megatron.adapters.megatron_core.callback import MechmonCallback, MechmonExitRequest
 from mechmon_megatron.adapters.megatron_core.param_sync import force_param_sync, overlaps_param_gather
-from mechmon_megatron.adapters.megatron_core.session_factory import build_mcore_session
+from mechmon_megatron.adapters.megatron_core.session_factory import McoreReads, build_mcore_session
 
-__all__ = ["MechmonCallback", "MechmonExitRequest", "build_mcore_session", "force_param_sync", "overlaps_param_gather"]
+__all__ = ["McoreReads", "MechmonCallback", "MechmonExitRequest", "build_mcore_session", "force_param_sync",
+           "overlaps_param_gather"]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from mechmon_megatron.adapters.megatron_core.param_sync import force_param_sync, overlaps_param_gather
-from mechmon_megatron.adapters.megatron_core.session_factory import build_mcore_session
+from mechmon_megatron.adapters.megatron_core.session_factory import McoreReads, build_mcore_session
 from mechmon_megatron.session.config import MechmonConfig
 from mechmon_megatron.session.session import MonitoringSession
 
@@ -40,11 +40,13 @@ class MechmonCallback:
         self._pending_state: Optional[dict] = None
         self._abort_iteration: Optional[int] = None
         self._model_chunks: list = []
+        self.reads = McoreReads()
 
     # ctx: TrainContext of the loop (args, model_chunks, optimizer, iteration, tensorboard_writer)
     def on_train_start(self, ctx: Any) -> None:
         tensorboard_dir = getattr(getattr(ctx, "args", None), "tensorboard_dir", None)
         self._model_chunks = list(ctx.model_chunks)
+        self.reads = McoreReads()
         self.session = build_mcore_session(
             self.config,
             ctx.model_chunks,
@@ -52,6 +54,7 @@ class MechmonCallback:
             tensorboard_dir=tensorboard_dir,
             writer_rank=self.writer_rank,
             optimizer=getattr(ctx, "optimizer", None),
+            reads=self.reads,
         )
         if self._pending_state:
             self.session.load_state_dict(self._pending_state)
@@ -67,11 +70,15 @@ class MechmonCallback:
             return None
         cfg = self.session.config
         reads = cfg.is_check_step(iteration) or cfg.is_snapshot_step(iteration)
-        if reads and overlaps_param_gather(self._model_chunks):
+        # Only reads of model parameters need the whole model gathered first; the FP32 main
+        # parameters (--mechmon-weights main) are current right after the step.
+        if reads and self.reads.needs_param_sync and overlaps_param_gather(self._model_chunks):
             # The host's own all-gather, issued for the monitors: inside the failure log, by the schedule.
             chunks = self._model_chunks
             self.session.run_host_collective("read", iteration, lambda: force_param_sync(chunks),
                                              "the forced parameter all-gather (overlap_param_gather)")
+        if cfg.is_check_step(iteration):
+            self.reads.run_prefetch(iteration)
         decision = self.session.on_step_end(iteration)
         if not decision.abort:
             return None

@@ -12,12 +12,19 @@ true update and flattens the spectrum the monitors read. So the session reads th
   communication.
 * ``DistributedOptimizer``: each data-parallel rank holds the FP32 main values of one contiguous
   range of every bucket (``_get_model_param_range_map(param)["param"]``), i.e. a 1-D shard of the
-  flattened parameter or nothing. The reader places the local shard in a zero FP32 tensor of the
-  parameter's size and sums over the optimizer's data-parallel group: the ranges are disjoint and
-  cover the parameter, so the sum is the main parameter exactly (``x + 0 == x``). This all-reduce
-  is a collective on check / snapshot steps only: **every rank of the group must call the reader,
-  in the same order** (``reader.collective`` says so); the local part runs under
+  flattened parameter or nothing. The ranges are disjoint and cover the parameter. Once the site
+  has said which replicas use the layer and which rows it reads (``reader.configure_use``: the
+  Q and K rows of ``linear_qkv``, the replicas doing its per-head or full-matrix work), each rank
+  sends the part of its shard that falls on those rows to each using rank (``dist.gather``,
+  padded to the largest part), and only the using ranks assemble the parameter (the rows not read
+  stay zero); the others get None. The layout of the parts is exchanged once, at the first read
+  (one small all-gather). Without ``configure_use`` (a plain reader, e.g. the tools) every rank
+  places its shard in a zero FP32 tensor of the parameter's size and the group sums them
+  (``x + 0 == x``, exact): twice the bytes of the whole parameter, to every replica.
+  Either is a collective on check / snapshot steps only: **every rank of the group must call the
+  reader, in the same order** (``reader.collective`` says so); the local part runs under
   :func:`guarded_collective`, so a local failure raises on every rank instead of hanging.
+  ``reader.traffic`` counts the FP32 elements this rank sent and received so far.
   With the precision-aware optimizer (Transformer Engine's FusedAdam holds the master weights)
   the shard comes from the optimizer's own accessor (``_get_main_param_and_optimizer_states``).
 * ``ChainedOptimizer``: the member optimizer that owns the parameter.
@@ -37,6 +44,7 @@ layer and the flag. Nothing here imports Transformer Engine; types are detected 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional, Sequence, get_args
 
 import torch
@@ -88,6 +96,7 @@ class WeightReader:
         layer: str,
         collective: bool = False,
         group: Any = None,
+        configure_use: Optional[Callable[[bool, Optional[torch.Tensor]], None]] = None,
     ) -> None:
         self._read = read
         self.source: Source = source
@@ -95,8 +104,18 @@ class WeightReader:
         self.layer = layer
         self.collective = collective
         self.group = group
+        self._configure_use = configure_use
+        self.traffic = {"sent": 0, "received": 0}
+        """FP32 elements this rank sent to / received from its peers in the reads so far."""
 
-    def __call__(self) -> torch.Tensor:
+    def configure_use(self, uses: bool, rows: Optional[torch.Tensor] = None) -> None:
+        """Say (at start-up, on every rank of the group) whether this rank uses the weight and
+        which rows of it (int64 row indices; None: all). A reader that is not a collective ignores
+        it; a collective one then returns None on the ranks that do not use it."""
+        if self._configure_use is not None:
+            self._configure_use(uses, rows)
+
+    def __call__(self) -> Optional[torch.Tensor]:
         return self._read()
 
     def __repr__(self) -> str:
@@ -228,14 +247,53 @@ def _local_main_shard(optimizer: Any, param: torch.Tensor) -> Optional[tuple[int
     return span.start, shard.detach().reshape(-1).float()
 
 
+@dataclass
+class _GatherPlan:
+    """Who sends what to whom for one parameter: fixed by the layout, built at the first read."""
+
+    users: list[int]
+    """Ranks of the group (group-local) that use the weight and receive it."""
+    pad: int
+    """Elements each rank sends per using rank (the largest part; shorter parts are zero-padded)."""
+    counts: list[int]
+    """Elements of each rank's part."""
+    take: Optional[torch.Tensor]
+    """This rank's part: positions in its own main shard (None: no shard)."""
+    targets: list[torch.Tensor]
+    """Per rank of the group, where its part lands in the flattened parameter (users only)."""
+
+
+def _part_positions(start: int, size: int, hidden: int, row_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """Positions (0-based in the shard) of the shard's elements on read rows; shard = flat
+    elements ``[start, start + size)`` of a ``[rows, hidden]`` parameter."""
+    positions = torch.arange(size, dtype=torch.int64)
+    if row_mask is None:
+        return positions
+    return positions[row_mask[(start + positions) // hidden]]
+
+
 def _distributed_reader(optimizer: Any, param: torch.Tensor, layer: str, dp_group: Any) -> WeightReader:
     group = getattr(optimizer, "data_parallel_group", None)
     if group is None:
         group = dp_group
     guard().declare(group)  # mechmon's own copy of it is made when the session starts
     numel, shape = param.numel(), param.shape
+    hidden = int(shape[-1]) if len(shape) > 1 else 1
+    use: dict[str, Any] = {"configured": False, "uses": True, "row_mask": None, "plan": None}
+    what = f"the FP32 main-parameter gather of {layer}"
 
-    def local() -> torch.Tensor:
+    def distributed() -> bool:
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+    def configure(uses: bool, rows: Optional[torch.Tensor]) -> None:
+        mask = None
+        if rows is not None:
+            mask = torch.zeros(int(shape[0]), dtype=torch.bool)
+            mask[rows.reshape(-1).cpu()] = True
+        use.update(configured=True, uses=bool(uses), row_mask=mask, plan=None)
+
+    # ------------------------------------------------ all-reduce (no configure_use: every rank gets it)
+    def local_full() -> torch.Tensor:
         full = torch.zeros(numel, dtype=torch.float32, device=param.device)
         held = _local_main_shard(optimizer, param)
         if held is not None:
@@ -243,22 +301,94 @@ def _distributed_reader(optimizer: Any, param: torch.Tensor, layer: str, dp_grou
             full[start : start + shard.numel()] = shard
         return full
 
-    def gather(full: torch.Tensor) -> torch.Tensor:
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-            guard().all_reduce(full, group, f"the FP32 main-parameter gather of {layer}")  # disjoint shards: exact
+    def all_reduce(full: torch.Tensor) -> torch.Tensor:
+        if distributed():
+            size = dist.get_world_size(group)
+            guard().all_reduce(full, group, what)  # disjoint shards: exact
+            ring = 2 * (size - 1) * numel // size  # what a ring all-reduce moves each way per rank
+            reader.traffic["sent"] += ring
+            reader.traffic["received"] += ring
         return full.view(shape)
 
-    def read() -> torch.Tensor:
-        return guarded_collective(local, gather, group, what=f"the FP32 main-parameter gather of {layer}")
+    # ------------------------------------------------ gather to the using ranks, read rows only
+    def plan() -> _GatherPlan:
+        if use["plan"] is not None:
+            return use["plan"]
 
-    return WeightReader(
+        def describe() -> tuple[torch.Tensor, Optional[tuple[int, int]]]:
+            held = _local_main_shard(optimizer, param)
+            span = None if held is None else (held[0], held[1].numel())
+            start, size = span or (0, 0)
+            mine = torch.tensor([1 if use["uses"] else 0, start, size, 1 if span else 0], dtype=torch.int64,
+                                device=param.device)
+            return mine, span
+
+        def exchange(prepared: tuple[torch.Tensor, Optional[tuple[int, int]]]):
+            mine, span = prepared
+            parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+            guard().all_gather(parts, mine, group, f"{what} (layout)")
+            return [tuple(int(v) for v in p.cpu().tolist()) for p in parts], span
+
+        rows, span = guarded_collective(describe, exchange, group, f"{what} (layout)")
+        mask = use["row_mask"]
+        positions = [_part_positions(start, size, hidden, mask) if held else torch.zeros(0, dtype=torch.int64)
+                     for _, start, size, held in rows]
+        me = dist.get_rank(group)
+        built = _GatherPlan(
+            users=[r for r, (uses, _, _, _) in enumerate(rows) if uses],
+            pad=max(int(p.numel()) for p in positions),
+            counts=[int(p.numel()) for p in positions],
+            take=positions[me].to(param.device) if span is not None else None,
+            targets=[(start + p).to(param.device) for (_, start, _, _), p in zip(rows, positions)]
+            if use["uses"] else [],
+        )
+        use["plan"] = built
+        return built
+
+    def local_part() -> tuple[_GatherPlan, torch.Tensor]:
+        layout = plan()
+        part = torch.zeros(layout.pad, dtype=torch.float32, device=param.device)
+        if layout.take is not None and layout.take.numel():
+            held = _local_main_shard(optimizer, param)
+            assert held is not None  # the layout said this rank holds a shard
+            part[: layout.take.numel()] = held[1].index_select(0, layout.take)
+        return layout, part
+
+    def gather(prepared: tuple[_GatherPlan, torch.Tensor]) -> Optional[torch.Tensor]:
+        layout, part = prepared
+        me, size = dist.get_rank(group), dist.get_world_size(group)
+        received: Optional[list[torch.Tensor]] = None
+        for user in layout.users:
+            inbox = guard().gather(part, user, group, what)  # the list on ``user`` only
+            if user == me:
+                received = inbox
+                reader.traffic["received"] += (size - 1) * layout.pad
+            else:
+                reader.traffic["sent"] += layout.pad
+        if received is None:
+            return None  # this rank does not use the weight
+        full = torch.zeros(numel, dtype=torch.float32, device=param.device)
+        for target, count, values in zip(layout.targets, layout.counts, received):
+            full[target] = values[:count]
+        return full.view(shape)
+
+    def read() -> Optional[torch.Tensor]:
+        if not distributed():
+            return guarded_collective(local_full, all_reduce, group, what=what)
+        if not use["configured"]:
+            return guarded_collective(local_full, all_reduce, group, what=what)
+        return guarded_collective(local_part, gather, group, what=what)
+
+    reader = WeightReader(
         read,
         source="main",
-        reason="FP32 main parameter shards of the DistributedOptimizer, summed over its data-parallel group",
+        reason="FP32 main parameter shards of the DistributedOptimizer, gathered over its data-parallel group",
         layer=layer,
         collective=True,
         group=group,
+        configure_use=configure,
     )
+    return reader
 
 
 def _main_reader(optimizer: Any, param: torch.Tensor, layer: str, dp_group: Any) -> tuple[Optional[WeightReader], str]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -14,7 +15,9 @@ from mechmon_megatron.adapters.megatron_core.main_params import weight_reader
 from mechmon_megatron.adapters.megatron_core.sites import attention_sites, router_sites
 from mechmon_megatron.session.config import MechmonConfig
 from mechmon_megatron.session.host import LocalCommunicator, TorchDistributedCommunicator
+from mechmon_megatron.session.host_settings import graphed_router
 from mechmon_megatron.session.session import MonitoringSession
+from mechmon_megatron.session.startup import graphed_router_message
 from mechmon_megatron.session.writers import JsonlScalarWriter, ScalarWriter, TensorBoardScalarWriter, WriterGroup
 
 logger = logging.getLogger(__name__)
@@ -34,6 +37,36 @@ def _sequence_parallel(model_chunks: Sequence[torch.nn.Module]) -> bool:
         if cfg is not None:
             return bool(getattr(cfg, "sequence_parallel", False))
     return False
+
+
+@dataclass
+class McoreReads:
+    """What the host does around the session's reads (filled by :func:`build_mcore_session`).
+
+    ``router_reads``: collective reads (mechmon's own, through the guard) every rank runs, in
+    order, after the optimizer step of a check step and before ``session.on_step_end`` (the
+    sharded FP32 main router weights, gathered to the reporting rank). ``model_weights``: sites that read model parameters, which are stale
+    right after the step under ``overlap_param_gather``; only then does the host gather every
+    parameter first (``force_param_sync``). Under ``--mechmon-weights main`` with the
+    optimizer's FP32 main parameters there are none.
+    """
+
+    router_reads: list[Callable[[], None]] = field(default_factory=list)
+    model_weights: int = 0
+
+    @property
+    def needs_param_sync(self) -> bool:
+        return self.model_weights > 0
+
+    def run_prefetch(self, iteration: int) -> None:
+        """Every rank, check steps: the prefetch reads; a failure (the same on every rank of the
+        group, collective_guard) leaves the weight missing, which the check then counts."""
+        for fetch in self.router_reads:
+            try:
+                fetch()
+            except Exception as exc:  # noqa: BLE001 -- a monitor read never stops training
+                logger.warning("[mechmon] iteration %d: router weight prefetch failed: %s: %s", iteration,
+                               type(exc).__name__, exc)
 
 
 def build_writer(
@@ -61,6 +94,7 @@ def build_mcore_session(
     writer_rank: int = -1,
     extra_writers: Sequence[ScalarWriter] = (),
     optimizer: Any = None,
+    reads: Optional[McoreReads] = None,
 ) -> MonitoringSession:
     """Discover attention layers and routers in ``model_chunks`` and attach a session.
 
@@ -69,12 +103,17 @@ def build_mcore_session(
     is the global rank that writes (default: last, matching Megatron). ``extra_writers`` (e.g.
     W&B) are used on the writer rank only. ``optimizer``: the megatron-core optimizer, whose FP32
     main parameters are read under ``--mechmon-weights main`` (without it: the model weights, with
-    a notice).
+    a notice). ``reads``: filled with what the host must do around a check (:class:`McoreReads`).
     """
     if not config.enabled:
         return MonitoringSession(config)
     distributed = dist.is_available() and dist.is_initialized()
     found_attention, found_routers = find_modules(model_chunks)
+    if "router" in config.monitors:
+        for item in found_routers:  # the same rule as the parse-time check, on the model's own config
+            graphed = graphed_router(getattr(item.module, "config", None))
+            if graphed:
+                raise ValueError(graphed_router_message(graphed))
     if distributed:
         ps = _parallel_state()
         tp_group = ps.get_tensor_model_parallel_group()
@@ -96,10 +135,44 @@ def build_mcore_session(
 
     def weight_source(param: torch.nn.Parameter):
         # Decided at start-up from the layout only, so every DP rank agrees on collective reads.
-        reader, _ = weight_reader(param, optimizer, dp_group, layer=layer_names.get(id(param), ""),
-                                  setting=config.weights, notices=notices)
+        reader, source = weight_reader(param, optimizer, dp_group, layer=layer_names.get(id(param), ""),
+                                       setting=config.weights, notices=notices)
+        if source == "model" and reads is not None:
+            reads.model_weights += 1
         return reader
 
+    def router_weight(router: torch.nn.Module) -> Callable[[], torch.Tensor]:
+        # The FP32 main router weight where the optimizer keeps one: no model-wide parameter
+        # gather is then needed before a check. A sharded one (distributed optimizer) is gathered
+        # to the reporting rank, on every rank, by the host's prefetch before the session runs.
+        name = f"router of {router_names[id(router)]}"
+        reader, source = weight_reader(router.weight, optimizer, dp_group, layer=name, setting=config.weights,
+                                       notices=notices)
+        if source == "model":
+            if reads is not None:
+                reads.model_weights += 1
+            return lambda _m=router: _m.weight
+        if not reader.collective:
+            return reader
+        reader.configure_use(reporting, None)
+        fetched: dict[str, torch.Tensor] = {}
+
+        def fetch() -> None:
+            value = reader()
+            if value is not None:
+                fetched["weight"] = value
+
+        def read() -> torch.Tensor:
+            if "weight" not in fetched:  # never a collective here: only the reporting rank reads
+                raise RuntimeError(f"{reader.layer}: the main router weight was not prefetched for this check")
+            return fetched.pop("weight")
+
+        if reads is not None:
+            reads.router_reads.append(fetch)
+        return read
+
+    router_names = {id(item.module): f"layer {item.layer_number} ({item.name})" for item in found_routers}
+    reporting = dp_rank == 0 and tp_rank == 0
     holder: dict[str, MonitoringSession] = {}
     # Every rank lists its stage's layers: the work is spread over the DP x TP ranks (sites.py).
     attn = attention_sites(found_attention, tp_group, config.full_matrix_dw, dp_rank=dp_rank, dp=dp,
@@ -107,8 +180,9 @@ def build_mcore_session(
     routers = router_sites(
         found_routers,
         reduce_group,
-        reports=(dp_rank == 0 and tp_rank == 0),
+        reports=reporting,
         capture_enabled=lambda: holder["session"].capturing,
+        weight_source=router_weight if optimizer is not None else None,
     )
     writer = build_writer(config, comm.is_writer, host_tensorboard, tensorboard_dir)
     if comm.is_writer:

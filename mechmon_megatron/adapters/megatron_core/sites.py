@@ -31,7 +31,8 @@ from mechmon_megatron.adapters.megatron_core.discovery import FoundAttention, Fo
 from mechmon_megatron.monitors.router import check_score_function
 from mechmon_megatron.session.collective_guard import guard
 from mechmon_megatron.session.host import AttentionSite, FullQK, QKWeights, RouterSite, SnapshotBudget
-from mechmon_megatron.session.qkv_layout import split_qk
+from mechmon_megatron.session.host_settings import in_backward
+from mechmon_megatron.session.qkv_layout import qkv_row_indices, split_qk
 from mechmon_megatron.session.router_check import NON_SOFTMAX_FLOOR_NOTICE, entropy_floor_applies
 
 logger = logging.getLogger(__name__)
@@ -99,10 +100,23 @@ class _AttentionReader:
         # The TP group of a replica gathers when that replica does full-matrix work, or per-head
         # work on a layer whose query groups span ranks (ng < tp). All its TP ranks agree.
         self.gathers = self.tp > 1 and (full_replica or (self.heads_owner and self.ng < self.tp))
+        # A collective reader (sharded FP32 main parameters) then sends this layer's Q and K rows
+        # to the replicas that use it only (main_params.py); the others read nothing.
+        configure = getattr(self.read_weight, "configure_use", None)
+        if callable(configure):
+            configure(self.heads_owner or full_replica, self._qk_rows())
         self._local: Optional[torch.Tensor] = None
         self._gathered: Optional[torch.Tensor] = None
         self._split: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         """read_full's Q/K split when it is also this rank's per-head read (TP 1): one copy, shared."""
+
+    def _qk_rows(self) -> Optional[torch.Tensor]:
+        """Rows of this rank's ``linear_qkv`` shard that hold Q and K (None: all, when a query
+        group spans TP ranks and the shard is not whole groups)."""
+        if self.ng < self.tp:
+            return None
+        q_rows, k_rows = qkv_row_indices(self.np_local, self.ng // self.tp, self.hn, self.gate)
+        return torch.cat([q_rows.reshape(-1), k_rows.reshape(-1)])
 
     def budget(self, element_size: int) -> SnapshotBudget:
         hidden = int(self.weight.shape[-1])
@@ -180,7 +194,8 @@ def attention_sites(
 
 
 def router_sites(
-    found: list[FoundRouter], reduce_group: Any, reports: bool, capture_enabled: Callable[[], bool]
+    found: list[FoundRouter], reduce_group: Any, reports: bool, capture_enabled: Callable[[], bool],
+    weight_source: Optional[Callable[[Any], Callable[[], torch.Tensor]]] = None,
 ) -> list[RouterSite]:
     """Router sites plus a capture wrapper around each router's ``routing`` (logits and routing map).
 
@@ -188,6 +203,8 @@ def router_sites(
     drops tokens; both are read from the router (``discovery.router_settings``). An unknown score
     function fails here, at start-up, naming it. Routers without softmax scores have no
     routing-entropy floor: the reporting rank logs that once (``NON_SOFTMAX_FLOOR_NOTICE``).
+    ``weight_source(router)``: how the reporting rank reads the router weight (default: the model
+    weight; the session factory passes the FP32 main parameter under ``--mechmon-weights main``).
     """
     sites = []
     if found:
@@ -209,7 +226,7 @@ def router_sites(
             layer_number=item.layer_number,
             num_experts=int(module.weight.shape[0]),
             topk=int(module.topk),
-            weight=(lambda _m=module: _m.weight),
+            weight=weight_source(module) if weight_source is not None else (lambda _m=module: _m.weight),
             reduce_sum=reduce_sum,
             reports=reports,
             name=item.name,
@@ -248,6 +265,8 @@ def install_routing_capture(
     are left out of the load: ``routing_map & (probs != 0)``. A ``routing`` whose output is not
     ``(probs, bool routing_map)`` (another megatron-core release) is recorded as the site's
     capture error, which the check reports. On other steps the wrapper costs one boolean test.
+    Under activation recompute the router runs again inside the backward pass: that second run
+    is not captured (``host_settings.in_backward``), so every token counts once.
     """
     if getattr(router, "_mechmon_capture", False):
         raise RuntimeError(f"router {site.name} already has a mechmon capture hook (attach the session once)")
@@ -255,7 +274,9 @@ def install_routing_capture(
 
     def routing(logits: torch.Tensor, *args, **kwargs):
         out = original(logits, *args, **kwargs)
-        if capture_enabled():
+        # Activation recompute re-runs the router inside the backward: its tokens count once,
+        # in the forward (session/host_settings.py).
+        if capture_enabled() and not in_backward():
             _capture_routing(site, logits, out, pad_to_capacity)
         return out
 

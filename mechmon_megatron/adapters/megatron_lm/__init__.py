@@ -26,15 +26,17 @@ from typing import Any
 from mechmon_megatron.adapters.megatron_lm.flags import add_arguments, extra_args_provider
 from mechmon_megatron.adapters.megatron_lm.install import install, unwrap_training_module, wrap_training_module
 
-_HOOKS_EXPORTS = ("STATE_FILENAME", "MegatronLMHooks", "checkpoint_iter_dir")
+_HOOKS_EXPORTS = ("STATE_DIR", "STATE_FILENAME", "MegatronLMHooks", "checkpoint_iter_dir", "state_path")
 
 __all__ = [
+    "STATE_DIR",
     "STATE_FILENAME",
     "MegatronLMHooks",
     "add_arguments",
     "checkpoint_iter_dir",
     "extra_args_provider",
     "install",
+    "state_path",
     "unwrap_training_module",
     "wrap_training_module",
 ]

@@ -3,9 +3,11 @@
 The hooks build the session on the first training step (model chunks and writers exist then,
 ``--load`` is done), arm router-logit capture before the forward of a check step, run the check
 after the optimizer step, and turn an agreed abort into Megatron's own save-and-exit
-(``args.exit_interval = iteration``). After each persistent save the writer rank (the last rank,
-which holds the detectors) writes ``mechmon_state.json`` into the ``iter_XXXXXXX`` directory; it
-is read back when a run resumes from that iteration with ``--load``. :mod:`.install` wires these
+(``args.exit_interval = iteration``). After each persistent save every rank writes its own
+state, ``{"mechmon": session.state_dict()}`` (mechmon's one format, ``session/state_format.py``;
+the writer rank's holds the detectors), to ``iter_XXXXXXX/mechmon_state/rank_RRRRR.json``; each
+rank reads its own back when a run resumes from that iteration with ``--load``. The older
+``iter_XXXXXXX/mechmon_state.json`` (the writer's state only) still loads, with one notice. :mod:`.install` wires these
 hooks into ``megatron.training.training``.
 """
 
@@ -18,16 +20,20 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from mechmon_megatron.adapters.megatron_core import build_mcore_session, force_param_sync
+from mechmon_megatron.adapters.megatron_core import McoreReads, build_mcore_session, force_param_sync
 from mechmon_megatron.cli.args import config_from_args
 from mechmon_megatron.session.collective_guard import CollectiveFailure, CollectivesOff, guard
 from mechmon_megatron.session.config import MechmonConfig
 from mechmon_megatron.session.session import MonitoringSession
+from mechmon_megatron.session.state_format import STATE_KEY, legacy_notice, state_of
 from mechmon_megatron.session.writers import WandbScalarWriter
 
 logger = logging.getLogger(__name__)
 
+STATE_DIR = "mechmon_state"
+"""Per-rank state files under ``iter_XXXXXXX/``: ``rank_RRRRR.json``."""
 STATE_FILENAME = "mechmon_state.json"
+"""The older single file of the writer rank's state (mechmon <= 0.3): still read on resume."""
 
 
 def checkpoint_iter_dir(save_dir: str, iteration: int) -> str:
@@ -40,22 +46,38 @@ def checkpoint_iter_dir(save_dir: str, iteration: int) -> str:
         return os.path.join(save_dir, f"iter_{iteration:07d}")
 
 
-def write_state(directory: str, state: dict) -> str:
-    """Write the session state as JSON, atomically (``os.replace``)."""
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, STATE_FILENAME)
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() \
+        else 0
+
+
+def state_path(directory: str, rank: int) -> str:
+    """This rank's state file in Megatron's ``iter_XXXXXXX`` directory."""
+    return os.path.join(directory, STATE_DIR, f"rank_{rank:05d}.json")
+
+
+def write_state(directory: str, state: dict, rank: Optional[int] = None) -> str:
+    """Write this rank's session state as JSON under :data:`STATE_KEY`, atomically (``os.replace``)."""
+    path = state_path(directory, _rank() if rank is None else rank)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(state, f, allow_nan=True)
+        json.dump({STATE_KEY: state}, f, allow_nan=True)
     os.replace(tmp, path)
     return path
 
 
-def read_state(directory: str) -> Optional[dict]:
-    path = os.path.join(directory, STATE_FILENAME)
-    if not os.path.isfile(path):
+def read_state(directory: str, rank: Optional[int] = None) -> Optional[dict]:
+    """This rank's saved state, or the older single file's (one notice), or None."""
+    path = state_path(directory, _rank() if rank is None else rank)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return state_of(json.load(f), path)
+    legacy = os.path.join(directory, STATE_FILENAME)
+    if not os.path.isfile(legacy):
         return None
-    with open(path, encoding="utf-8") as f:
+    legacy_notice("megatron-lm-json", legacy)
+    with open(legacy, encoding="utf-8") as f:
         return json.load(f)
 
 
@@ -92,6 +114,8 @@ class MegatronLMHooks:
         self.exit_code: Optional[int] = None
         self.optimizer: Any = None
         """Megatron's optimizer (from ``train_step``): its FP32 main parameters are what we read."""
+        self.reads = McoreReads()
+        """What to do around a check (prefetch, whether to gather the model first): session_factory."""
 
     # -- lifecycle
     def ensure_session(
@@ -112,7 +136,7 @@ class MegatronLMHooks:
             session = self._session_builder(self.config, list(model_chunks), **common)
         else:
             session = build_mcore_session(self.config, list(model_chunks), writer_rank=-1, optimizer=self.optimizer,
-                                          **common)
+                                          reads=self.reads, **common)
         self.session = session
         self._restore(args, start_iteration)
         session.on_train_start(start_iteration)
@@ -125,7 +149,8 @@ class MegatronLMHooks:
         directory = checkpoint_iter_dir(load, start_iteration)
         state = read_state(directory)
         if state is None:
-            logger.info("[mechmon] no %s in %s: detectors start with a fresh baseline", STATE_FILENAME, directory)
+            logger.info("[mechmon] no mechmon state (%s/ or %s) in %s: detectors start with a fresh baseline",
+                        STATE_DIR, STATE_FILENAME, directory)
             return
         self.session.load_state_dict(state)
         logger.info("[mechmon] restored detector state from %s", directory)
@@ -152,11 +177,14 @@ class MegatronLMHooks:
         reads_weights = config.is_check_step(iteration) or config.is_snapshot_step(iteration)
         if (
             reads_weights
+            and self.reads.needs_param_sync  # FP32 main parameters (--mechmon-weights main) are current
             and getattr(args, "use_distributed_optimizer", False)
             and getattr(args, "overlap_param_gather", False)
         ):
             session.run_host_collective("read", iteration, lambda: force_param_sync(model_chunks),
                                         "the forced parameter all-gather (overlap_param_gather)")
+        if config.is_check_step(iteration):
+            self.reads.run_prefetch(iteration)
         decision = session.on_step_end(iteration)
         if not decision.abort:
             return False
@@ -178,8 +206,7 @@ class MegatronLMHooks:
             return
         directory = checkpoint_iter_dir(save, iteration)
         session.on_checkpoint_saved(iteration, directory)
-        if session.comm.is_writer:
-            write_state(directory, session.state_dict())
+        write_state(directory, session.state_dict())  # every rank its own (errors, checkpoints; detector: writer)
 
     def finish_abort(self) -> Optional[str]:
         """After Megatron left the loop for our abort: write the alert, sync, close."""
