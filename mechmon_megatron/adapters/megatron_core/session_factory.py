@@ -45,9 +45,10 @@ class McoreReads:
 
     ``router_reads``: collective reads (mechmon's own, through the guard) every rank runs, in
     order, after the optimizer step of a check step and before ``session.on_step_end`` (the
-    sharded FP32 main router weights, gathered to the reporting rank). ``model_weights``: sites that read model parameters, which are stale
-    right after the step under ``overlap_param_gather``; only then does the host gather every
-    parameter first (``force_param_sync``). Under ``--mechmon-weights main`` with the
+    sharded FP32 main router weights, gathered to the reporting rank). ``model_weights``: sites
+    that read model parameters, which are stale right after the step under
+    ``overlap_param_gather``; only then does the host gather every parameter first
+    (``force_param_sync``). Under ``--mechmon-weights main`` with the
     optimizer's FP32 main parameters there are none.
     """
 
