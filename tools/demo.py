@@ -15,9 +15,10 @@ import os
 import sys
 import time
 
+from mechmon_megatron.research.recovery_study.demo_recovery import recovered_row, run_recovered_fa
 from mechmon_megatron.research.reproducible_cpu import PINNED_CPU_SETTINGS, check_pin, overridden_settings
 from mechmon_megatron.research.study.report import markdown_report
-from mechmon_megatron.research.study.scenarios import get_preset
+from mechmon_megatron.research.study.scenarios import METRICS_FILE, get_preset
 from mechmon_megatron.research.study.study import StudyOptions, run_study
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout: demo_out/ goes there
@@ -58,6 +59,7 @@ def main(argv=None) -> int:
                    help="Runs in parallel (default 3: all at once; each run uses one thread).")
     p.add_argument("--train-iters", type=int, default=None, help="Steps per run (default: the demo preset's).")
     p.add_argument("--trainer", default=None, help="Training script (default: the example trainer).")
+    p.add_argument("--no-recovery", action="store_true", help="Skip the fourth line (the fa run recovered).")
     args = p.parse_args(argv)
     preset = get_preset("demo")
     iters = args.train_iters or preset.train_iters
@@ -76,6 +78,12 @@ def main(argv=None) -> int:
     print(reproducibility_line(capability))
     out = os.path.abspath(args.out)
     print(f"wall time: {time.monotonic() - start:.0f} s")
+    if not args.no_recovery:
+        print(f"\nfourth line: the fa run under mechmon-supervise (rollback, remedy, relaunch to step {iters}) ...",
+              flush=True)
+        recovered = run_recovered_fa(out, preset, iters)
+        for line in recovered_row(recovered, os.path.join(out, "runs", "clean-seed1", METRICS_FILE)):
+            print(line)
     print(f"results:     {os.path.join(out, 'results.json')}")
     print(f"report:      {os.path.join(out, 'report.md')}")
     print(f"plots:       {os.path.join(out, 'plots')}")
