@@ -3,7 +3,10 @@
 Trains three small megatron-core GPT-MoE runs with the mechanism monitors on (preset ``demo`` of
 mechmon_megatron/research/study/scenarios.py; the fa fault is an AMPLIFIED injection, see docs/RESULTS.md),
 then prints the table of first alarms, divergence and leads, and where the TensorBoard logs,
-results.json and the plots are.
+results.json and the plots are. Fourth line: the same fa run under ``mechmon-supervise``
+(checkpoint-and-abort, a save every 100 steps): rolled back to the newest checkpoint at or before
+the alarm's change point, relaunched with the default policy's attention remedy, trained to the
+same last step; its row (alarm, rollback, remedy, final loss against the clean run).
 
     python tools/demo.py [--out demo_out] [--jobs N] [--train-iters N]
 """

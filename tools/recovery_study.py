@@ -17,6 +17,7 @@ import sys
 
 from mechmon_megatron.research.recovery_study.campaign import OPERATORS, parse_cell, run_cell, write_record
 from mechmon_megatron.research.recovery_study.table import load_records, markdown_table
+from mechmon_megatron.research.study.runner import exit_on_sigterm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORDS = os.path.join(ROOT, "docs", "data", "recovery_study")
@@ -44,6 +45,7 @@ def main(argv=None) -> int:
     unknown = [o for o in operators if o not in OPERATORS]
     if unknown:
         p.error(f"--operators: unknown {unknown}; choose from {OPERATORS}")
+    exit_on_sigterm()  # a kill stops the running launch's processes; the next run resumes it
     for cell in cells:
         print(f"[recovery-study] {cell.cell_id}: {', '.join(operators)}", flush=True)
         record = run_cell(args.out, cell, operators)

@@ -150,10 +150,24 @@ class Supervisor:
             return self._stop(f"{alert.family} alarmed again at iteration {alert.iteration}, within "
                               f"{self.config.window} steps of the relaunch from {episode.point}: every {list_name} "
                               f"remedy tried ({tried})", code, alert=info)
-        chosen = remedies[index]
+        before = self.command.host_args
         selection = select_rollback(list_checkpoints(self.config.save), alert.change_point, alert.iteration)
         if selection.checkpoint is None:
             return self._stop(selection.why, code, alert=info, why=selection.why)
+        skip = range(selection.checkpoint.iteration + 1, alert.iteration + 1)
+        # A remedy that changes no flag (already in effect) would relaunch the run that alarmed:
+        # go on to the next one of the list, and say so in the record.
+        passed: list[str] = []
+        applied = apply_edit(before, remedies[index].edit, skip_window=list(skip))
+        while not (applied.added or applied.removed) and index + 1 < len(remedies):
+            passed.append(f"remedy {remedies[index].remedy.name} changes nothing here ({'; '.join(applied.notes)}): "
+                          "passed over")
+            index += 1
+            applied = apply_edit(before, remedies[index].edit, skip_window=list(skip))
+        if not (applied.added or applied.removed):
+            return self._stop(f"{alert.family} alarm at iteration {alert.iteration}: the remaining {list_name} "
+                              f"remedies change no flag of the command ({'; '.join(applied.notes)})", code, alert=info)
+        chosen = remedies[index]
         ckpt = selection.checkpoint
         wanted = self.config.select_flag
         select_flag = wanted if (wanted and self.host.has(wanted)) else None
@@ -162,9 +176,6 @@ class Supervisor:
             return self._stop(f"the host has no {wanted} to load {ckpt.name}, and the supervisor never rewrites "
                               f"the tracker file (latest is {latest.name if latest else 'none'})", code,
                               alert=info, why=selection.why)
-        before = self.command.host_args
-        skip = range(ckpt.iteration + 1, alert.iteration + 1)
-        applied = apply_edit(before, chosen.edit, skip_window=list(skip))
         value = str(ckpt.iteration) if ckpt.layout == "megatron" else ckpt.name
         args = select_checkpoint_flags(applied.args, self.config.save, select_flag, value)
         self.command = self.command.with_host_args(args)
@@ -177,5 +188,6 @@ class Supervisor:
                     f"remedy {index + 1}/{len(remedies)} of {list_name}"),
             checkpoint={"name": ckpt.name, "iteration": ckpt.iteration, "path": ckpt.path, "layout": ckpt.layout},
             after_change_point=selection.after_change_point, why=selection.why, remedy=chosen.remedy.name,
-            flags_removed=removed, flags_added=added, notes=applied.notes, command=list(self.command.argv)))
+            flags_removed=removed, flags_added=added, notes=[*passed, *applied.notes],
+            command=list(self.command.argv)))
         return None

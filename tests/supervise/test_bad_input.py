@@ -159,3 +159,18 @@ def test_sigterm_reaches_the_command_and_stops(tmp_path: Path):
     assert time.monotonic() - start < 10, output
     assert proc.returncode == 128 + signal.SIGTERM, output
     assert "signal SIGTERM" in records(save)[-1]["reason"]
+
+
+def test_a_remedy_already_in_effect_is_passed_over(tmp_path: Path):
+    """A remedy that would change no flag relaunches the run that alarmed: the next one is used."""
+    save = tmp_path / "ck"
+    policy = tmp_path / "policy.json"
+    policy.write_text(json.dumps({"version": 1, "families": {"router_entropy": "router"}, "remedies": {"router": [
+        {"name": "balancing", "alternatives": [{"at_least": {"--moe-aux-loss-coeff": 0.01}}]},
+        {"name": "lower-lr", "alternatives": [{"scale": {"--lr": 0.5}}]}]}}))
+    out = supervise(["--policy", policy], _host(save, "--plan", "alarm,ok", "--family", "router_entropy",
+                                                "--moe-aux-loss-coeff", "0.01", "--lr", "0.004"))
+    assert out.returncode == 0, out.output
+    relaunch = records(save)[0]
+    assert relaunch["remedy"] == "lower-lr" and relaunch["flags_added"][0] == "--lr 0.002"
+    assert "remedy balancing changes nothing here" in relaunch["notes"][0]

@@ -104,3 +104,21 @@ def test_two_ranks_tp2_under_torchrun_are_recovered(tmp_path: Path):
     assert sorted(p.name for p in (save / "iter_0000016" / "mechmon_extra").iterdir()) == ["rank_00000.pt",
                                                                                           "rank_00001.pt"]
     assert done["exit_code"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_drill_under_nvidia_resiliency_ext_ft_launcher_is_recovered(tmp_path: Path):
+    """ft_launcher (nvidia-resiliency-ext) as the launcher, its own restarts off: it passes the
+    worker's abort through as a failed run, and the supervisor rolls back and relaunches it."""
+    pytest.importorskip("nvidia_resiliency_ext.fault_tolerance.launcher")
+    save = tmp_path / "ck"
+    launcher = [sys.executable, "-m", "nvidia_resiliency_ext.fault_tolerance.launcher", "--nproc-per-node", "1",
+                "--max-restarts", "0", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                "-m", "gpt_trainer"]
+    out = supervise([], [*launcher, *TINY, *MECHMON, "--train-iters", "16", "--save", str(save),
+                         "--save-interval", "5"], timeout_s=600)
+    assert out.returncode == 0, out.output[-4000:]
+    relaunch, done = records(save)
+    assert relaunch["exit_code"] != 0 and relaunch["checkpoint"]["name"] == "iter_0000010"
+    assert relaunch["command"][:len(launcher)] == launcher and done["exit_code"] == 0

@@ -147,7 +147,8 @@ def run_operator(out: str, cell: Cell, operator: str) -> LaunchState:
     if operator == "none":
         return run_plain(directory, argv, ckpt)
     if operator == "practice":
-        return run_practice(directory, without_mechmon(argv), ckpt, cell.fork)
+        prefix = kept_trajectory(LaunchState.load(clean_dir(out, cell.seed))) if cell.fork else {}
+        return run_practice(directory, without_mechmon(argv), ckpt, cell.fork, prefix)
     if operator == "mechmon":
         command = parse_command(argv)
         host = set_flag(command.host_args, "--mechmon-action", ["checkpoint-and-abort"])

@@ -124,7 +124,7 @@ def run_launch(state: LaunchState, launch: LaunchRecord, ckpt_dir: str,
     its process group) and is recorded as ``stopped_at``."""
     if launch.finished:
         return launch
-    if launch not in state.launches:
+    if not any(known is launch for known in state.launches):
         state.launches.append(launch)
     argv = list(launch.argv)
     resume = _resume_point(ckpt_dir, launch)

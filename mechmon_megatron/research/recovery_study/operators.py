@@ -102,8 +102,11 @@ def _fed_rules(kept: dict[int, dict], until: int) -> list[SymptomRule]:
     return rules
 
 
-def run_practice(directory: str, argv: list[str], ckpt_dir: str, fork: int) -> LaunchState:
+def run_practice(directory: str, argv: list[str], ckpt_dir: str, fork: int,
+                 prefix: Optional[dict[int, dict]] = None) -> LaunchState:
+    """``prefix``: the losses before the fork (the clean run's), which the rules saw in a real run."""
     state = LaunchState.load(directory)
+    before = {i: r for i, r in (prefix or {}).items() if i <= fork}
     extra = state.extra.setdefault("practice", {"restarts": 0, "spikes": [], "argv": argv, "skip": [], "handled": 0})
     while True:
         last = state.launches[-1] if state.launches else None
@@ -120,7 +123,7 @@ def run_practice(directory: str, argv: list[str], ckpt_dir: str, fork: int) -> L
                                   start_iteration=_start_iteration(extra["argv"]))
             launch.argv = with_launch_outputs(extra["argv"], launch.metrics_path(directory))
         watching = extra["restarts"] < PRACTICE_MAX_RESTARTS
-        watcher = _Watcher(_fed_rules(kept_trajectory(state), launch.start_iteration), directory,
+        watcher = _Watcher(_fed_rules({**before, **kept_trajectory(state)}, launch.start_iteration), directory,
                            launch.start_iteration)
 
         def watch(current: LaunchRecord, watcher: _Watcher = watcher) -> Optional[int]:
@@ -160,6 +163,14 @@ class StudySupervisor(Supervisor):
     """The supervisor's own loop and decisions; its launch is the study's resumable one."""
 
     state: LaunchState = field(default_factory=lambda: LaunchState(""))
+
+    def run(self) -> int:
+        # No signal forwarding here: the study turns SIGTERM into SystemExit, and the resumable
+        # launch stops its own process group on the way out (then the next run resumes it).
+        try:
+            return self._loop()
+        finally:
+            self.notifier.close()
 
     def _launch(self) -> tuple[int, dict[str, int]]:
         self.launches += 1
