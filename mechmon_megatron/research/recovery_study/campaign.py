@@ -80,19 +80,21 @@ class Cell:
 def parse_cell(text: str) -> Cell:
     """``fa:32:500:1`` (scenario:strength:onset:seed) or ``moe-lr:1``."""
     parts = text.split(":")
+    cell: Optional[Cell] = None
     try:
         if parts[0] == "fa" and len(parts) == 4:
             cell = Cell("fa", int(parts[3]), float(parts[1]), int(parts[2]))
-            if not SAVE_INTERVAL < cell.onset <= cell.train_iters - 500:
-                raise ValueError(f"--cells {text}: the onset must be in {SAVE_INTERVAL + 1}..{cell.train_iters - 500} "
-                                 f"on the {cell.train_iters}-step schedule (an onset of 2,000 needs the detector "
-                                 "study's longer schedule, which this tool does not run)")
-            return cell
-        if parts[0] == "moe-lr" and len(parts) == 2:
-            return Cell("moe-lr", int(parts[1]))
+        elif parts[0] == "moe-lr" and len(parts) == 2:
+            cell = Cell("moe-lr", int(parts[1]))
     except ValueError:
-        pass
-    raise ValueError(f"--cells: expected fa:STRENGTH:ONSET:SEED or moe-lr:SEED, got {text!r}")
+        cell = None
+    if cell is None:
+        raise ValueError(f"--cells: expected fa:STRENGTH:ONSET:SEED or moe-lr:SEED, got {text!r}")
+    if cell.scenario == "fa" and not SAVE_INTERVAL < cell.onset <= cell.train_iters - 500:
+        raise ValueError(f"--cells {text}: the onset must be in {SAVE_INTERVAL + 1}..{cell.train_iters - 500} "
+                         f"on the {cell.train_iters}-step schedule (an onset of 2,000 needs the detector "
+                         "study's longer schedule, which this tool does not run)")
+    return cell
 
 
 def _flags(cell: Cell, scenario: str) -> list[str]:
