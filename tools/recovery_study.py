@@ -15,7 +15,13 @@ import argparse
 import os
 import sys
 
-from mechmon_megatron.research.recovery_study.campaign import OPERATORS, parse_cell, run_cell, write_record
+from mechmon_megatron.research.recovery_study.campaign import (
+    OPERATORS,
+    parse_cell,
+    run_cell,
+    summarize,
+    write_record,
+)
 from mechmon_megatron.research.recovery_study.table import load_records, markdown_table
 from mechmon_megatron.research.study.runner import exit_on_sigterm
 
@@ -33,9 +39,17 @@ def main(argv=None) -> int:
     run.add_argument("--records", default=RECORDS, help="where the JSON records go (default docs/data/recovery_study)")
     table = sub.add_parser("table", help="print the markdown table of the records")
     table.add_argument("--records", default=RECORDS)
+    record = sub.add_parser("record", help="write the records of cells as they stand (no training)")
+    record.add_argument("--out", required=True)
+    record.add_argument("--cells", required=True)
+    record.add_argument("--records", default=RECORDS)
     args = p.parse_args(argv)
     if args.cmd == "table":
         print(markdown_table(load_records(args.records)))
+        return 0
+    if args.cmd == "record":
+        for text in args.cells.split(","):
+            print(write_record(summarize(args.out, parse_cell(text.strip())), args.records))
         return 0
     try:
         cells = [parse_cell(c.strip()) for c in args.cells.split(",") if c.strip()]
@@ -48,7 +62,7 @@ def main(argv=None) -> int:
     exit_on_sigterm()  # a kill stops the running launch's processes; the next run resumes it
     for cell in cells:
         print(f"[recovery-study] {cell.cell_id}: {', '.join(operators)}", flush=True)
-        record = run_cell(args.out, cell, operators)
+        record = run_cell(args.out, cell, operators, args.records)
         print(f"[recovery-study] wrote {write_record(record, args.records)}", flush=True)
     print(markdown_table(load_records(args.records)))
     return 0

@@ -158,12 +158,15 @@ def run_operator(out: str, cell: Cell, operator: str) -> LaunchState:
     raise ValueError(f"unknown operator {operator!r}; choose from {OPERATORS}")
 
 
-def run_cell(out: str, cell: Cell, operators: tuple[str, ...] = OPERATORS) -> dict[str, Any]:
-    """Train what is missing of ``cell`` (the clean run first), then its record."""
-    # the clean run of a cell's seed must reach the cell's length
+def run_cell(out: str, cell: Cell, operators: tuple[str, ...] = OPERATORS,
+             records: Optional[str] = None) -> dict[str, Any]:
+    """Train what is missing of ``cell`` (the clean run first), then its record (written to
+    ``records`` after every operator, so a study cut short keeps what finished)."""
     run_clean(out, cell.seed, cell)
     for op in operators:
         run_operator(out, cell, op)
+        if records:
+            write_record(summarize(out, cell), records)
     return summarize(out, cell)
 
 

@@ -67,7 +67,8 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
                 f"{_loss(body['loss_smoothed'])} | {_pct(body['loss_vs_clean'])} |")
             if op == "mechmon":
                 verdicts.append((rec["cell"], bool(body.get("recovered"))))
-        lines.append(f"| {rec['cell']} | clean | | | | | | {_loss(rec['clean_loss_smoothed'])} | |")
+        clean = rec["clean_loss_smoothed"]
+        lines.append(f"| {rec['cell']} | clean | | | | | | {'not finished' if clean is None else f'{clean:.3f}'} | |")
     met = [c for c, ok in verdicts if ok]
     lines += ["", f"Target (mechmon's loop recovers every run with at most one restart, within "
                   f"{100 * TARGET_LOSS_GAP:.0f} % of the clean loss): "
