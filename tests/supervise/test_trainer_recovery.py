@@ -71,7 +71,8 @@ def test_same_family_again_escalates_then_stops_on_the_real_trainer(tmp_path: Pa
     assert [r["action"] for r in recs] == ["relaunch", "relaunch", "stop"]
     assert [r["remedy"] for r in recs[:2]] == ["fp32-o", "tie-shift"]
     assert "every drill remedy tried" in recs[-1]["reason"]
-    assert recs[1]["flags_added"] == ["--fa-tie-shift-beta 4"]  # the first remedy stays; --load/--ckpt-step unchanged
+    # the first remedy stays; the rollback goes one save further back (iter_0000010 alarmed again)
+    assert sorted(recs[1]["flags_added"]) == ["--ckpt-step 5", "--fa-tie-shift-beta 4"]
     save = tmp_path / "m1"
     out = supervise(["--policy", _policy(tmp_path, remedies), "--max-restarts", "1"], _trainer(save), timeout_s=600)
     assert out.returncode == 42 and [r["action"] for r in records(save)] == ["relaunch", "stop"], out.output[-3000:]

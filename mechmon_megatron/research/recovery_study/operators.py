@@ -190,7 +190,7 @@ class StudySupervisor(Supervisor):
         self.state.extra["supervisor"] = {
             "launches": self.launches, "restarts": self.restarts, "command": list(self.command.argv),
             "episode": {"list_name": e.list_name, "index": e.index, "point": e.point},
-            "done": record.action == "stop", "exit_code": record.exit_code,
+            "done": record.action == "stop", "exit_code": record.exit_code, "initial": self._initial,
         }
         self.state.save()
 
@@ -209,6 +209,7 @@ def run_mechmon(directory: str, argv: list[str], ckpt_dir: str, tensorboard: Opt
     if saved:
         sup.launches, sup.restarts = saved["launches"], saved["restarts"]
         sup._episode = _Episode(**saved["episode"])
+        sup._initial = saved.get("initial")
     code = sup.run()
     if code == 0 and not state.extra.get("supervisor", {}).get("done"):  # no restart: no stop record
         state.extra["supervisor"] = {"launches": sup.launches, "restarts": sup.restarts,
