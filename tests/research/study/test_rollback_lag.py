@@ -24,11 +24,12 @@ def measured_lags() -> dict[int, list[tuple[str, str, int]]]:
     for every in (1, 5):
         interval = INTERVAL * every
         _, info = mechmon_sweep(records, table, every=every, rates=(0.01,))
-        out[interval] = [
-            (run, a["family"], (a["step"] - (a["change_step"] if a["change_step"] is not None else a["step"] - interval))
-             // interval)
-            for run, alarms in sorted(info["alarms_at_default_rate"].items()) for a in alarms
-        ]
+        rows = []
+        for run, alarms in sorted(info["alarms_at_default_rate"].items()):
+            for a in alarms:
+                change = a["change_step"] if a["change_step"] is not None else a["step"] - interval
+                rows.append((run, a["family"], (a["step"] - change) // interval))
+        out[interval] = rows
     return out
 
 
