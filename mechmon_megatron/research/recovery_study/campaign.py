@@ -222,9 +222,18 @@ def _cause_removed(cell: Cell, argv: list[str]) -> str:
 def summarize_operator(out: str, cell: Cell, operator: str, clean_loss: Optional[float]) -> dict[str, Any]:
     directory = os.path.join(out, cell.cell_id, operator)
     state = LaunchState.load(directory)
-    if not state.launches or not state.launches[-1].finished:
-        return {"status": "not run" if not state.launches else "unfinished"}
+    if not state.launches:
+        return {"status": "not run"}
     kept = kept_trajectory(state)
+    if not state.launches[-1].finished:  # cut short: what it reached, and its decisions so far
+        partial: dict[str, Any] = {"status": "unfinished", "last_step": max(kept) if kept else cell.fork,
+                                   "launches": len(state.launches), "restarts": len(state.launches) - 1,
+                                   "wall_s": round(sum(launch.wall_s for launch in state.launches), 1)}
+        if operator == "mechmon":
+            partial["recovery"] = _recovery(os.path.join(directory, "ck"))
+        if operator == "practice":
+            partial["spikes"] = state.extra.get("practice", {}).get("rollbacks", [])
+        return partial
     last = max(kept) if kept else 0
     loss = _smoothed(kept, cell.train_iters)
     steps, step_s = _discarded(state)
@@ -244,13 +253,16 @@ def summarize_operator(out: str, cell: Cell, operator: str, clean_loss: Optional
     if operator == "practice":
         body["spikes"] = state.extra.get("practice", {}).get("rollbacks", [])
     if operator == "mechmon":
-        recs = recovery_records(os.path.join(directory, "ck"))
-        body["recovery"] = [{k: r.get(k) for k in ("action", "reason", "alert", "checkpoint", "after_change_point",
-                                                     "remedy", "flags_removed", "flags_added", "exit_code")}
-                            for r in recs]
+        body["recovery"] = _recovery(os.path.join(directory, "ck"))
         body["recovered"] = (final.returncode == 0 and body["restarts"] <= 1 and body["loss_vs_clean"] is not None
                              and abs(body["loss_vs_clean"]) <= TARGET_LOSS_GAP)
     return body
+
+
+def _recovery(ckpt: str) -> list[dict[str, Any]]:
+    keys = ("action", "reason", "alert", "checkpoint", "after_change_point", "why", "remedy", "flags_removed",
+            "flags_added", "exit_code")
+    return [{k: r.get(k) for k in keys} for r in recovery_records(ckpt)]
 
 
 def summarize(out: str, cell: Cell) -> dict[str, Any]:

@@ -36,7 +36,8 @@ def _what(op: str, body: dict[str, Any]) -> str:
             a, c = r.get("alert") or {}, r.get("checkpoint") or {}
             parts.append(f"{a.get('family')} alarm {a.get('iteration')} (cp {a.get('first_warning_step')}) -> "
                          f"{c.get('name')}{' AFTER cp' if r.get('after_change_point') else ''}, {r.get('remedy')}")
-        return "; ".join(parts) or ("no alarm" if not body.get("alarms") else "alarm, no relaunch")
+        none = "no alarm" + (" so far" if body.get("status") == "unfinished" else "")
+        return "; ".join(parts) or (none if not body.get("alarms") else "alarm, no relaunch")
     if op == "practice":
         spikes = body.get("spikes", [])
         return "; ".join(f"{s['rule']} at {s['spike']} -> {s['to']}, skip {s['skipped'][0]}-{s['skipped'][1]}"
@@ -58,6 +59,10 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
     for rec in records:
         for op in OPERATORS:
             body = rec["operators"].get(op, {})
+            if body.get("status") == "unfinished":
+                lines.append(f"| {rec['cell']} | {op} | unfinished: {body['restarts']} so far | | | | "
+                             f"{_what(op, body)}; reached step {body['last_step']} | | |")
+                continue
             if body.get("status") != "done":
                 lines.append(f"| {rec['cell']} | {op} | {body.get('status', 'not run')} | | | | | | |")
                 continue

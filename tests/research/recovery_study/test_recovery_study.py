@@ -111,9 +111,13 @@ def test_table_says_which_cells_ran():
                           "checkpoint": {"name": "iter_0000500"}, "after_change_point": False,
                           "remedy": "fp32-attention-output"}], "recovered": True}
     record = {"cell": "fa-s32-on500-seed1", "clean_loss_smoothed": 2.0,
-              "operators": {"none": {"status": "not run"}, "practice": {"status": "unfinished"}, "mechmon": done}}
+              "operators": {"none": {"status": "not run"}, "mechmon": done,
+                            "practice": {"status": "unfinished", "restarts": 1, "last_step": 777, "spikes": [
+                                {"spike": 690, "rule": "foundry_spike", "to": 500, "skipped": [501, 690]}]}}}
     table = markdown_table([record])
-    assert "| fa-s32-on500-seed1 | none | not run |" in table and "| practice | unfinished |" in table
+    assert "| fa-s32-on500-seed1 | none | not run |" in table
+    assert "| practice | unfinished: 1 so far |" in table and "foundry_spike at 690 -> 500, skip 501-690" in table
+    assert "reached step 777" in table
     assert "attn_delta2 alarm 660 (cp 560) -> iter_0000500, fp32-attention-output" in table
     assert "+1.0 %" in table and "met on 1 of 1 runs ran" in table
 
