@@ -173,9 +173,11 @@ class Supervisor:
         selection = select_rollback(checkpoints, limit, alert.iteration)
         from_start = again and episode.point is not None and not any(c.iteration <= limit for c in checkpoints)
         if from_start:
-            selection = Selection(None, False, f"{alert.family} alarmed again after the relaunch from iteration "
+            after = self._start_iteration() > alert.change_point
+            selection = Selection(None, after, f"{alert.family} alarmed again after the relaunch from iteration "
                                                f"{episode.point}: that point holds part of the fault, and no "
-                                               "checkpoint is older: from the command's own start")
+                                               "checkpoint is older: from the command's own start"
+                                               + (" (saved AFTER the change point)" if after else ""))
         elif selection.checkpoint is None:
             return self._stop(selection.why, code, alert=info, why=selection.why)
         elif limit < alert.change_point and not selection.after_change_point:
