@@ -77,6 +77,7 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
     met = [c for c, ok in verdicts if ok]
     lines += ["", f"Target (mechmon's loop recovers every run with at most one restart, within "
                   f"{100 * TARGET_LOSS_GAP:.0f} % of the clean loss): "
-                  + (f"met on {len(met)} of {len(verdicts)} runs ran" if verdicts else "no mechmon run finished")
+                  + (f"met on {len(met)} of the {len(verdicts)} mechmon runs that finished" if verdicts
+                     else "no mechmon run finished")
                   + (f" (not met: {', '.join(c for c, ok in verdicts if not ok)})" if len(met) < len(verdicts) else "")]
     return "\n".join(lines)

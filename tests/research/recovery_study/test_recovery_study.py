@@ -119,7 +119,7 @@ def test_table_says_which_cells_ran():
     assert "| practice | unfinished: 1 so far |" in table and "foundry_spike at 690 -> 500, skip 501-690" in table
     assert "reached step 777" in table
     assert "attn_delta2 alarm 660 (cp 560) -> iter_0000500, fp32-attention-output" in table
-    assert "+1.0 %" in table and "met on 1 of 1 runs ran" in table
+    assert "+1.0 %" in table and "met on 1 of the 1 mechmon runs that finished" in table
 
 
 def test_demo_row_reads_the_records_and_the_losses(tmp_path: Path):
