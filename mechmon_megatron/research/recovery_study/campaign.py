@@ -183,6 +183,14 @@ def _alarms(text: str) -> list[str]:
     return [line.strip() for line in text.splitlines() if "[mechmon] ALARM at iteration" in line]
 
 
+def _log_mode_alarms(directory: str) -> list[int]:
+    """Checks where the monitors (``log`` mode: nothing acts) raised ``mechmon/alarm``."""
+    from mechmon_megatron.research.recovery_study.launch import read_rows
+
+    rows = read_rows(os.path.join(directory, "mechmon", "mechmon_scalars.jsonl"))
+    return sorted({int(r["step"]) for r in rows if float((r.get("scalars") or {}).get("mechmon/alarm", 0) or 0) >= 1})
+
+
 def _discarded(state: LaunchState) -> tuple[int, float]:
     """Steps trained and later thrown away, and their step times (s)."""
     steps, seconds = 0, 0.0
@@ -248,6 +256,7 @@ def summarize_operator(out: str, cell: Cell, operator: str, clean_loss: Optional
         "loss_smoothed": loss,
         "loss_vs_clean": None if loss is None or clean_loss is None else loss / clean_loss - 1.0,
         "divergence_step": divergence, "alarms": _alarms(text)[:6],
+        "log_mode_alarm_steps": _log_mode_alarms(directory) if operator == "none" else [],
         "launch_notes": [launch.note for launch in state.launches if launch.note],
     }
     if operator == "practice":

@@ -44,6 +44,8 @@ def _what(op: str, body: dict[str, Any]) -> str:
                          for s in spikes) or "no spike rule fired"
     alarms = body.get("alarms", [])
     first = alarms[0].split("ALARM at iteration", 1)[1].split(":")[0].strip() if alarms else None
+    if first is None and body.get("log_mode_alarm_steps"):
+        first = str(body["log_mode_alarm_steps"][0])
     div = body.get("divergence_step")
     what = f"diverged at {div}" if div else "no divergence"
     return what + (f"; first mechmon alarm (log mode) {first}" if first else "")
