@@ -16,8 +16,8 @@ Every ``import`` statement counts, including those inside functions (lazy import
   no checkpoint library; only its format readers (``scan/readers``) may import a host framework or
   ``safetensors``, each only its own (the DeepSpeed reader never imports megatron, no reader
   imports an adapter, ``cli`` or another reader's library).
-* ``supervise`` (mechmon-supervise): the standard library, itself and two standard-library-only
-  session modules (``session.alert``, ``session.webhook``); torch only as the optional
+* ``supervise`` (mechmon-supervise): the standard library, itself and three standard-library-only
+  session modules (``session.alert``, ``session.webhook``, ``session.rollback_reach``); torch only as the optional
   ``torch.utils.tensorboard``; never torch.distributed, a host framework, ``research`` or ``testing``.
 """
 
@@ -155,8 +155,8 @@ def test_plan_imports_core_session_torch_and_stdlib_only():
     assert not bad, bad
 
 
-SUPERVISE_SESSION_MODULES = (_own("session.alert"), _own("session.webhook"))
-"""The session modules the supervisor may import: both import the standard library only."""
+SUPERVISE_SESSION_MODULES = (_own("session.alert"), _own("session.webhook"), _own("session.rollback_reach"))
+"""The session modules the supervisor may import: each imports the standard library only."""
 
 
 def _stdlib_or_own(name: str, own: tuple[str, ...]) -> bool:
@@ -165,12 +165,12 @@ def _stdlib_or_own(name: str, own: tuple[str, ...]) -> bool:
     return name.split(".")[0] in sys.stdlib_module_names
 
 
-def test_supervise_imports_stdlib_and_two_session_modules_only():
+def test_supervise_imports_stdlib_and_three_session_modules_only():
     own = (_own("supervise"), *SUPERVISE_SESSION_MODULES)
     bad = _violations(_files("supervise"),
                       lambda f, n: not (_stdlib_or_own(n, own) or _under(n, "torch.utils.tensorboard")))
     assert not bad, bad
-    session_modules = [PACKAGE / "session" / "alert.py", PACKAGE / "session" / "webhook.py"]
+    session_modules = [PACKAGE / "session" / f"{m.rpartition('.')[2]}.py" for m in SUPERVISE_SESSION_MODULES]
     bad = _violations(session_modules, lambda f, n: not _stdlib_or_own(n, SUPERVISE_SESSION_MODULES))
     assert not bad, bad
 

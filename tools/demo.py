@@ -3,7 +3,10 @@
 Trains three small megatron-core GPT-MoE runs with the mechanism monitors on (preset ``demo`` of
 mechmon_megatron/research/study/scenarios.py; the fa fault is an AMPLIFIED injection, see docs/RESULTS.md),
 then prints the table of first alarms, divergence and leads, and where the TensorBoard logs,
-results.json and the plots are.
+results.json and the plots are. Fourth line: the same fa run under ``mechmon-supervise``
+(checkpoint-and-abort, a save every 100 steps): rolled back to the newest checkpoint at or before
+the alarm's change point, relaunched with the default policy's attention remedy, trained to the
+same last step; its row (alarm, rollback, remedy, final loss against the clean run).
 
     python tools/demo.py [--out demo_out] [--jobs N] [--train-iters N]
 """
@@ -15,9 +18,14 @@ import os
 import sys
 import time
 
+from mechmon_megatron.research.recovery_study.demo_recovery import (
+    finish_recovered_fa,
+    recovered_row,
+    start_recovered_fa,
+)
 from mechmon_megatron.research.reproducible_cpu import PINNED_CPU_SETTINGS, check_pin, overridden_settings
 from mechmon_megatron.research.study.report import markdown_report
-from mechmon_megatron.research.study.scenarios import get_preset
+from mechmon_megatron.research.study.scenarios import METRICS_FILE, get_preset
 from mechmon_megatron.research.study.study import StudyOptions, run_study
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout: demo_out/ goes there
@@ -58,6 +66,7 @@ def main(argv=None) -> int:
                    help="Runs in parallel (default 3: all at once; each run uses one thread).")
     p.add_argument("--train-iters", type=int, default=None, help="Steps per run (default: the demo preset's).")
     p.add_argument("--trainer", default=None, help="Training script (default: the example trainer).")
+    p.add_argument("--no-recovery", action="store_true", help="Skip the fourth line (the fa run recovered).")
     args = p.parse_args(argv)
     preset = get_preset("demo")
     iters = args.train_iters or preset.train_iters
@@ -67,6 +76,8 @@ def main(argv=None) -> int:
     for line in kernel_lines:
         print(line, flush=True)
     start = time.monotonic()
+    # Fourth line: the fa run under mechmon-supervise, started beside the three runs below.
+    recovering = None if args.no_recovery else start_recovered_fa(os.path.abspath(args.out), preset, iters)
     results = run_study(
         StudyOptions(out_dir=args.out, preset=preset, scenarios=preset.scenarios, seeds=preset.seeds,
                      train_iters=iters, jobs=args.jobs, trainer=args.trainer)
@@ -76,6 +87,13 @@ def main(argv=None) -> int:
     print(reproducibility_line(capability))
     out = os.path.abspath(args.out)
     print(f"wall time: {time.monotonic() - start:.0f} s")
+    if recovering is not None:
+        print(f"\nfourth line: the fa run under mechmon-supervise (rollback, remedy, relaunch to step {iters}) ...",
+              flush=True)
+        recovered = finish_recovered_fa(recovering)
+        for line in recovered_row(recovered, os.path.join(out, "runs", "clean-seed1", METRICS_FILE)):
+            print(line)
+        print(f"wall time with the fourth line: {time.monotonic() - start:.0f} s")
     print(f"results:     {os.path.join(out, 'results.json')}")
     print(f"report:      {os.path.join(out, 'report.md')}")
     print(f"plots:       {os.path.join(out, 'plots')}")

@@ -30,6 +30,7 @@ from mechmon_megatron.plan.work import (
     unit_shapes,
 )
 from mechmon_megatron.session.config import MechmonConfig
+from mechmon_megatron.session.rollback_reach import MEASURED_LAG_CHECKS, change_point_lag, reach
 
 TARGET_SHARE = 0.01
 """Issue 11's target: the check, amortised over the interval, at most 1 % of the step time."""
@@ -383,6 +384,14 @@ def build_report(shape: ModelShape, layout: ParallelLayout, opts: PlanOptions) -
             "machine": cpu_name(), "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
         },
     }
+    lag = change_point_lag(opts.interval, opts.delta)
+    report["rollback"] = {
+        "change_point_lag_steps": lag, "lag_checks": MEASURED_LAG_CHECKS,
+        "source": "largest alarm - change point of the detector study's records at the default rate "
+                  "(session/rollback_reach.py, docs/RECOVERY.md)",
+        "keep_checkpoints_at_save_interval": {str(s): reach(s, opts.interval, opts.delta).keep_needed
+                                              for s in (100, 500, 1000)},
+    }
     report["planner_wall_s"] = time.perf_counter() - start
     return report
 
@@ -436,6 +445,9 @@ def format_table(report: dict) -> str:
         f"overhead share (check / interval / step): {report['overhead_share']:.3%} on {ct['device']} "
         f"[{ct['label']}], {ref['overhead_share']:.4%} on the reference GPU [estimated]; target "
         f"<= {report['target_share']:.0%}",
+        f"rollback: the change point lies up to {report['rollback']['change_point_lag_steps']} steps before an "
+        f"alarm at this interval and delta (measured); checkpoints to keep at --save-interval "
+        + ", ".join(f"{k}: {v}" for k, v in report["rollback"]["keep_checkpoints_at_save_interval"].items()),
         f"planner wall time: {report['planner_wall_s']:.1f} s",
     ]
     return "\n".join(lines)

@@ -13,6 +13,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from mechmon_megatron.session.rollback_reach import DEFAULT_DELTA, DEFAULT_INTERVAL, RETENTION_FLAGS, reach_notice
 from mechmon_megatron.session.webhook import check_webhook_url
 from mechmon_megatron.supervise.command import CommandError, LaunchCommand, flag_values, parse_command
 from mechmon_megatron.supervise.host import HostError, HostFlags, read_host_flags
@@ -82,7 +83,30 @@ def reachability_notices(host_args: Sequence[str]) -> list[str]:
         notices.append("the command has no --save-interval: the abort's checkpoint will be the only one, which is "
                        "after the change point; set --save-interval so that a save lands before the detector's "
                        "change point (at most --save-interval steps before it)")
+    else:
+        line = _retention_notice(host_args, int(interval[0]))
+        if line:
+            notices.append(line)
     return notices
+
+
+def _int_flag(host_args: Sequence[str], flag: str, default: int) -> int:
+    values = flag_values(host_args, flag) or []
+    try:
+        return int(values[0]) if values else default
+    except ValueError:
+        return default  # the host's parser says so at the launch
+
+
+def _retention_notice(host_args: Sequence[str], save_interval: int) -> Optional[str]:
+    """The reach line when a retention flag of the host keeps too few saves (rollback_reach)."""
+    interval = _int_flag(host_args, "--mechmon-interval", DEFAULT_INTERVAL)
+    delta = _int_flag(host_args, "--mechmon-delta", DEFAULT_DELTA)
+    for flag in RETENTION_FLAGS:
+        keep = _int_flag(host_args, flag, -1)
+        if keep >= 0:
+            return reach_notice(save_interval, keep, flag, max(1, interval), max(1, delta))
+    return None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -20,7 +20,11 @@ TORCHRUN_BOOLEAN = {"--standalone", "--no-python", "--no_python", "--run-path", 
 DEEPSPEED_BOOLEAN = {"--no_python", "--no-python", "--module", "-m", "--no_local_rank", "--force_multi",
                      "--elastic_training", "--bind_cores_to_rank", "--save_pid", "--no_ssh_check", "--no_ssh"}
 SRUN_SHORT_WITH_VALUE = {"-N", "-n", "-c", "-p", "-t", "-J", "-A", "-q", "-w", "-o", "-e", "-G"}
-TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
+TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch",
+                    "nvidia_resiliency_ext.fault_tolerance.launcher")
+"""Launchers with torchrun's options: the last is nvidia-resiliency-ext's ``ft_launcher`` (torchrun's
+options plus ``--ft-*`` ones, each with a value)."""
+TORCHRUN_LIKE = ("torchrun", "ft_launcher")
 SCRIPT_WRAPPERS = ("mechmon_megatron.adapters.megatron_lm.run", "mechmon-run")
 """Programs whose first argument is the training script (``mechmon-run pretrain_gpt.py ...``):
 the host's flags start after that script, and ``--help`` goes to it."""
@@ -115,7 +119,7 @@ def _parse_command(argv: list[str]) -> LaunchCommand:
             raise CommandError("srun is followed by no command")
     name = os.path.basename(argv[i])
     launcher, boolean, python = "direct", set(), None
-    if name == "torchrun":
+    if name in TORCHRUN_LIKE:
         launcher, boolean, python, i = "torchrun", TORCHRUN_BOOLEAN, _shebang_python(argv[i]), i + 1
     elif name == "deepspeed":
         launcher, boolean, python, i = "deepspeed", DEEPSPEED_BOOLEAN, _shebang_python(argv[i]), i + 1

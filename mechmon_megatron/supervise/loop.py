@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from mechmon_megatron.supervise.alerts import AlertError, AlertInfo, alert_files, new_alert_path, read_alert
-from mechmon_megatron.supervise.checkpoints import latest_checkpoint, list_checkpoints, select_rollback
-from mechmon_megatron.supervise.command import LaunchCommand
+from mechmon_megatron.supervise.checkpoints import Selection, latest_checkpoint, list_checkpoints, select_rollback
+from mechmon_megatron.supervise.command import LaunchCommand, flag_values, remove_flag, set_flag
 from mechmon_megatron.supervise.host import HostFlags
 from mechmon_megatron.supervise.notify import Notifier
 from mechmon_megatron.supervise.policy import ResolvedPolicy
@@ -57,6 +57,8 @@ class Supervisor:
     _child: Optional[subprocess.Popen] = None
     _signal: Optional[int] = None
     _episode: _Episode = field(default_factory=_Episode)
+    _initial: Optional[list[str]] = None
+    """The first launch's host flags: its own start (``--load`` / the selection flag, or none)."""
 
     # ------------------------------------------------------------------ process
     def _forward(self, signum: int, _frame) -> None:
@@ -91,6 +93,14 @@ class Supervisor:
         if code is not None and code < 0:  # killed by a signal: the shell's convention
             return 128 - code
         return code if code else 2
+
+    def _start_iteration(self) -> int:
+        """Iterations done at the first launch's own start (its selection flag with --load, else 0)."""
+        initial = self._initial or []
+        step = flag_values(initial, self.config.select_flag) if self.config.select_flag else None
+        if step and flag_values(initial, "--load") and step[0].isdigit():
+            return int(step[0])
+        return 0
 
     def run(self) -> int:
         previous = {s: signal.signal(s, self._forward) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -150,32 +160,72 @@ class Supervisor:
             return self._stop(f"{alert.family} alarmed again at iteration {alert.iteration}, within "
                               f"{self.config.window} steps of the relaunch from {episode.point}: every {list_name} "
                               f"remedy tried ({tried})", code, alert=info)
-        chosen = remedies[index]
-        selection = select_rollback(list_checkpoints(self.config.save), alert.change_point, alert.iteration)
-        if selection.checkpoint is None:
+        before = self.command.host_args
+        if self._initial is None:
+            self._initial = list(before)
+        # The same list again after a relaunch from episode.point: that point evidently holds part
+        # of the fault (the remedy was applied from there and the family alarmed again), so the
+        # rollback goes at least one save further back; with none older, to the command's own start.
+        limit = alert.change_point
+        if again and episode.point is not None:
+            limit = min(limit, episode.point - 1)
+        checkpoints = list_checkpoints(self.config.save)
+        selection = select_rollback(checkpoints, limit, alert.iteration)
+        from_start = again and episode.point is not None and not any(c.iteration <= limit for c in checkpoints)
+        if from_start:
+            after = self._start_iteration() > alert.change_point
+            selection = Selection(None, after, f"{alert.family} alarmed again after the relaunch from iteration "
+                                               f"{episode.point}: that point holds part of the fault, and no "
+                                               "checkpoint is older: from the command's own start"
+                                               + (" (saved AFTER the change point)" if after else ""))
+        elif selection.checkpoint is None:
             return self._stop(selection.why, code, alert=info, why=selection.why)
-        ckpt = selection.checkpoint
+        elif limit < alert.change_point and not selection.after_change_point:
+            why = f"{selection.why}: older than the last rollback point ({episode.point}), which alarmed again"
+            selection = Selection(selection.checkpoint, False, why)
+        start_iteration = selection.checkpoint.iteration if selection.checkpoint else self._start_iteration()
+        skip = range(start_iteration + 1, alert.iteration + 1)
+        # A remedy that changes no flag (already in effect) would relaunch the run that alarmed:
+        # go on to the next one of the list, and say so in the record.
+        passed: list[str] = []
+        applied = apply_edit(before, remedies[index].edit, skip_window=list(skip))
+        while not (applied.added or applied.removed) and index + 1 < len(remedies):
+            passed.append(f"remedy {remedies[index].remedy.name} changes nothing here ({'; '.join(applied.notes)}): "
+                          "passed over")
+            index += 1
+            applied = apply_edit(before, remedies[index].edit, skip_window=list(skip))
+        if not (applied.added or applied.removed):
+            return self._stop(f"{alert.family} alarm at iteration {alert.iteration}: the remaining {list_name} "
+                              f"remedies change no flag of the command ({'; '.join(applied.notes)})", code, alert=info)
+        chosen = remedies[index]
         wanted = self.config.select_flag
         select_flag = wanted if (wanted and self.host.has(wanted)) else None
-        latest = latest_checkpoint(self.config.save)
-        if select_flag is None and (latest is None or latest.path != ckpt.path):
-            return self._stop(f"the host has no {wanted} to load {ckpt.name}, and the supervisor never rewrites "
-                              f"the tracker file (latest is {latest.name if latest else 'none'})", code,
-                              alert=info, why=selection.why)
-        before = self.command.host_args
-        skip = range(ckpt.iteration + 1, alert.iteration + 1)
-        applied = apply_edit(before, chosen.edit, skip_window=list(skip))
-        value = str(ckpt.iteration) if ckpt.layout == "megatron" else ckpt.name
-        args = select_checkpoint_flags(applied.args, self.config.save, select_flag, value)
+        ckpt = selection.checkpoint
+        if ckpt is None:  # from the start: the first launch's own --load and selection flag, or none
+            args = list(applied.args)
+            for flag in ("--load", *([select_flag] if select_flag else [])):
+                original = flag_values(self._initial, flag)
+                args = remove_flag(args, flag) if original is None else set_flag(args, flag, original)
+            where = {"name": "start", "iteration": start_iteration, "path": None, "layout": "start"}
+        else:
+            latest = latest_checkpoint(self.config.save)
+            if select_flag is None and (latest is None or latest.path != ckpt.path):
+                return self._stop(f"the host has no {wanted} to load {ckpt.name}, and the supervisor never "
+                                  f"rewrites the tracker file (latest is {latest.name if latest else 'none'})", code,
+                                  alert=info, why=selection.why)
+            value = str(ckpt.iteration) if ckpt.layout == "megatron" else ckpt.name
+            args = select_checkpoint_flags(applied.args, self.config.save, select_flag, value)
+            where = {"name": ckpt.name, "iteration": ckpt.iteration, "path": ckpt.path, "layout": ckpt.layout}
         self.command = self.command.with_host_args(args)
         self.restarts += 1
-        self._episode = _Episode(list_name=list_name, index=index, point=ckpt.iteration)
+        self._episode = _Episode(list_name=list_name, index=index, point=start_iteration)
         removed, added = diff_flags(before, args)
         self._record(RecoveryRecord(
             action="relaunch", launch=self.launches, exit_code=code, restarts=self.restarts, alert=info,
             reason=(f"{alert.family} alarm at iteration {alert.iteration} (change point {alert.change_point}); "
                     f"remedy {index + 1}/{len(remedies)} of {list_name}"),
-            checkpoint={"name": ckpt.name, "iteration": ckpt.iteration, "path": ckpt.path, "layout": ckpt.layout},
+            checkpoint=where,
             after_change_point=selection.after_change_point, why=selection.why, remedy=chosen.remedy.name,
-            flags_removed=removed, flags_added=added, notes=applied.notes, command=list(self.command.argv)))
+            flags_removed=removed, flags_added=added, notes=[*passed, *applied.notes],
+            command=list(self.command.argv)))
         return None

@@ -122,6 +122,16 @@ def test_resume_matches_uninterrupted(tp2_sp, runs_dir):
     assert_close(resumed[0]["lr"], tp2_sp[2]["lr"], 1e-9)
 
 
+def test_iterations_to_skip_consume_the_batch_only(dense_single, runs_dir):
+    """Megatron-LM's --iterations-to-skip: no step, no LR-scheduler step, no row; the data of the
+    later iterations is the uninterrupted run's (so iteration 5 without 3 and 4 differs from it)."""
+    skipped = train(runs_dir, "dense_skip", ["--iterations-to-skip", "3", "4"], nproc=1, iters=10)
+    assert [row["iteration"] for row in skipped] == [1, 2, *range(5, 11)]
+    assert_close(skipped[1]["lm_loss"], dense_single[1]["lm_loss"], 1e-6)
+    assert_close(skipped[2]["lr"], dense_single[2]["lr"], 1e-9)  # the scheduler stood still for 2 steps
+    assert skipped[2]["lm_loss"] != dense_single[4]["lm_loss"]
+
+
 CALLBACK_SCRIPT = textwrap.dedent('''
     import json, sys
     sys.path.insert(0, {trainer_dir!r})

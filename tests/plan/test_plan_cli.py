@@ -72,6 +72,17 @@ def test_table_output(capsys):
     code, out, _ = _run(["--model", "deepseek-v3", "--dp", "1024", "--ep", "64", "--no-measure"], capsys)
     assert code == 0
     assert "router_stats" in out and "overhead share" in out
+    assert "rollback: the change point lies up to" in out
+
+
+def test_plan_reports_the_change_point_lag_it_assumes(capsys):
+    from mechmon_megatron.session.rollback_reach import change_point_lag
+
+    code, out, _ = _run(["--model", "llama3-8b", "--no-measure", "--json", "--interval", "20", "--delta", "100"],
+                        capsys)
+    rollback = json.loads(out)["rollback"]
+    assert code == 0 and rollback["change_point_lag_steps"] == change_point_lag(20, 100)
+    assert rollback["keep_checkpoints_at_save_interval"]["100"] == -(-change_point_lag(20, 100) // 100) + 2
 
 
 @pytest.mark.parametrize(

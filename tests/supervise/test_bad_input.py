@@ -66,6 +66,9 @@ def test_same_family_again_escalates_then_stops_when_the_list_is_exhausted(tmp_p
     assert [r["action"] for r in recs] == ["relaunch", "relaunch", "stop"]
     assert [r["remedy"] for r in recs[:2]] == ["fp32-attention-output", "tie-shift-or-local-attention"]
     assert "every attention_precision remedy tried" in recs[-1]["reason"]
+    # the relaunch from iter_0000010 alarmed again: the next rollback is one save further back
+    assert [r["checkpoint"]["name"] for r in recs[:2]] == ["iter_0000010", "iter_0000005"]
+    assert "older than the last rollback point (10)" in recs[1]["why"] and not recs[1]["after_change_point"]
     assert len(_launches(save)) == 3
     assert {"iter_0000005", "iter_0000010", "iter_0000012"} <= set(os.listdir(save))  # nothing deleted
 
@@ -159,3 +162,31 @@ def test_sigterm_reaches_the_command_and_stops(tmp_path: Path):
     assert time.monotonic() - start < 10, output
     assert proc.returncode == 128 + signal.SIGTERM, output
     assert "signal SIGTERM" in records(save)[-1]["reason"]
+
+
+def test_a_remedy_already_in_effect_is_passed_over(tmp_path: Path):
+    """A remedy that would change no flag relaunches the run that alarmed: the next one is used."""
+    save = tmp_path / "ck"
+    policy = tmp_path / "policy.json"
+    policy.write_text(json.dumps({"version": 1, "families": {"router_entropy": "router"}, "remedies": {"router": [
+        {"name": "balancing", "alternatives": [{"at_least": {"--moe-aux-loss-coeff": 0.01}}]},
+        {"name": "lower-lr", "alternatives": [{"scale": {"--lr": 0.5}}]}]}}))
+    out = supervise(["--policy", policy], _host(save, "--plan", "alarm,ok", "--family", "router_entropy",
+                                                "--moe-aux-loss-coeff", "0.01", "--lr", "0.004"))
+    assert out.returncode == 0, out.output
+    relaunch = records(save)[0]
+    assert relaunch["remedy"] == "lower-lr" and relaunch["flags_added"][0] == "--lr 0.002"
+    assert "remedy balancing changes nothing here" in relaunch["notes"][0]
+
+
+def test_again_with_no_older_checkpoint_goes_back_to_the_commands_start(tmp_path: Path):
+    save, policy = tmp_path / "ck", tmp_path / "policy.json"
+    remedies = [{"name": f"r{k}", "alternatives": [{"scale": {"--lr": 0.5}}]} for k in range(3)]
+    policy.write_text(json.dumps({"version": 1, "families": {"attn_delta2": "a"}, "remedies": {"a": remedies}}))
+    out = supervise(["--policy", policy], _host(save, "--plan", "alarm,alarm,alarm,ok", "--lr", "0.008"))
+    assert out.returncode == 0, out.output
+    recs = records(save)
+    assert [r["checkpoint"]["name"] for r in recs[:3]] == ["iter_0000010", "iter_0000005", "start"]
+    assert "no checkpoint is older: from the command's own start" in recs[2]["why"]
+    last = _launches(save)[3]
+    assert "--load" not in last and "--ckpt-step" not in last and last[last.index("--lr") + 1] == "0.001"

@@ -35,6 +35,17 @@ def test_torchrun_options_are_not_host_flags():
     assert cmd.help_argv[1:] == ("-m", "gpt_trainer", "--help") and cmd.host_args == ["--save", "s"]
 
 
+def test_ft_launcher_options_are_not_host_flags():
+    """nvidia-resiliency-ext's ft_launcher: torchrun's options plus --ft-* ones with values."""
+    cmd = parse_command(["ft_launcher", "--nproc-per-node", "8", "--max-restarts", "0", "--ft-rank-heartbeat-timeout",
+                         "60", "pretrain_gpt.py", "--save", "ck"])
+    assert cmd.launcher == "torchrun" and cmd.host_args == ["--save", "ck"]
+    assert cmd.help_argv[1:] == ("pretrain_gpt.py", "--help")
+    cmd = parse_command([sys.executable, "-m", "nvidia_resiliency_ext.fault_tolerance.launcher", "--standalone",
+                         "-m", "gpt_trainer", "--save", "s"])
+    assert cmd.help_argv == (sys.executable, "-m", "gpt_trainer", "--help") and cmd.host_args == ["--save", "s"]
+
+
 def test_mechmon_run_wrapper_passes_help_to_the_script():
     cmd = parse_command(["torchrun", "--nproc-per-node", "8", "-m", "mechmon_megatron.adapters.megatron_lm.run",
                          "pretrain_gpt.py", "--save", "s", "--mechmon"])

@@ -35,12 +35,13 @@ def test_default_policy_picks_each_hosts_alternative():
     assert [r.remedy.name for r in remedies] == ["fp32-attention-output", "tie-shift-or-local-attention"]
     assert remedies[0].edit.set == {"--fa-fp32-o": ()}  # not Megatron's "unfused": the trainer lacks it
     assert any("qk-clip" in n for n in trainer.notices)  # skipped with a notice, not an error
-    assert [r.remedy.name for r in trainer.remedy_list("router_entropy")[1]] == ["lower-lr", "stronger-balancing"]
+    assert [r.remedy.name for r in trainer.remedy_list("router_entropy")[1]] == [
+        "lower-lr", "lower-lr-again", "stronger-balancing"]
     megatron = resolve_policy(policy, parse_help(MEGATRON_HELP))
     first = megatron.remedy_list("attn_dw")[1][0].edit
     assert first.set == {"--attention-backend": ("unfused",)} and first.remove == ("--fp8-dot-product-attention",)
     assert [r.remedy.name for r in megatron.remedy_list("router_weights")[1]] == [
-        "lower-lr", "fp32-router", "stronger-balancing"]
+        "lower-lr", "lower-lr-again", "fp32-router", "stronger-balancing"]
     assert megatron.remedy_list("nonfinite") == (None, ())  # the default stops on non-finite weights
     assert megatron.remedy_list("drill")[1][0].edit.remove == ("--mechmon-drill-at",)
 

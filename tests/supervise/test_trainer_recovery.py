@@ -71,7 +71,8 @@ def test_same_family_again_escalates_then_stops_on_the_real_trainer(tmp_path: Pa
     assert [r["action"] for r in recs] == ["relaunch", "relaunch", "stop"]
     assert [r["remedy"] for r in recs[:2]] == ["fp32-o", "tie-shift"]
     assert "every drill remedy tried" in recs[-1]["reason"]
-    assert recs[1]["flags_added"] == ["--fa-tie-shift-beta 4"]  # the first remedy stays; --load/--ckpt-step unchanged
+    # the first remedy stays; the rollback goes one save further back (iter_0000010 alarmed again)
+    assert sorted(recs[1]["flags_added"]) == ["--ckpt-step 5", "--fa-tie-shift-beta 4"]
     save = tmp_path / "m1"
     out = supervise(["--policy", _policy(tmp_path, remedies), "--max-restarts", "1"], _trainer(save), timeout_s=600)
     assert out.returncode == 42 and [r["action"] for r in records(save)] == ["relaunch", "stop"], out.output[-3000:]
@@ -104,3 +105,21 @@ def test_two_ranks_tp2_under_torchrun_are_recovered(tmp_path: Path):
     assert sorted(p.name for p in (save / "iter_0000016" / "mechmon_extra").iterdir()) == ["rank_00000.pt",
                                                                                           "rank_00001.pt"]
     assert done["exit_code"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_drill_under_nvidia_resiliency_ext_ft_launcher_is_recovered(tmp_path: Path):
+    """ft_launcher (nvidia-resiliency-ext) as the launcher, its own restarts off: it passes the
+    worker's abort through as a failed run, and the supervisor rolls back and relaunches it."""
+    pytest.importorskip("nvidia_resiliency_ext.fault_tolerance.launcher")
+    save = tmp_path / "ck"
+    launcher = [sys.executable, "-m", "nvidia_resiliency_ext.fault_tolerance.launcher", "--nproc-per-node", "1",
+                "--max-restarts", "0", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                "-m", "gpt_trainer"]
+    out = supervise([], [*launcher, *TINY, *MECHMON, "--train-iters", "16", "--save", str(save),
+                         "--save-interval", "5"], timeout_s=600)
+    assert out.returncode == 0, out.output[-4000:]
+    relaunch, done = records(save)
+    assert relaunch["exit_code"] != 0 and relaunch["checkpoint"]["name"] == "iter_0000010"
+    assert relaunch["command"][:len(launcher)] == launcher and done["exit_code"] == 0

@@ -90,6 +90,10 @@ def _training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--train-iters", type=int, default=20)
     g.add_argument("--exit-interval", type=int, default=None,
                    help="Save (if --save) and exit when iteration %% exit-interval == 0.")
+    g.add_argument("--iterations-to-skip", type=int, nargs="+", default=[],
+                   help="Iterations whose data is skipped (as Megatron-LM's flag): the iteration counter and "
+                        "the data advance, no forward, backward or optimizer step, no LR-scheduler step, no "
+                        "metrics row, no callback (PaLM-style skipping of the batches around a loss spike).")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true",
                    help="BF16 model parameters with FP32 main parameters in the optimizer "

@@ -111,7 +111,16 @@ class Trainer:
         args = self.args
         self.callbacks.on_train_start(self.context())
         last_saved = None
+        skip = set(getattr(args, "iterations_to_skip", None) or ())
         while self.iteration < args.train_iters:
+            if self.iteration + 1 in skip:
+                # Megatron-LM's --iterations-to-skip: the batch of this iteration is not used and
+                # the optimizer and LR scheduler do not move; only the counter (and the data) do.
+                self.iteration += 1
+                if args.save_interval and self.iteration % args.save_interval == 0:
+                    self.save_regular(self.iteration)
+                    last_saved = self.iteration
+                continue
             self.callbacks.on_step_start(self.iteration + 1)
             start = time.perf_counter()
             loss, grad_norm, lr = self.train_step()

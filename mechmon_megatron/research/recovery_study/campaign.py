@@ -1,0 +1,297 @@
+"""The recovery study: three operators on the same fault runs of the CPU toy (issue 20, item 5).
+
+A cell is one fault at one seed, trained with the fault study's model and schedule (preset
+``full`` of ``research/study/scenarios.py``: 1,500 steps, LR decaying over them, monitors every
+20 steps over a 100-step window in ``log`` mode, a save every 100 steps):
+
+- ``fa``: the amplified FA fault (``strength`` BF16 ulps, all rows) from ``onset``;
+- ``moe-lr``: the whole-model 4x learning rate from step 1.
+
+Per seed the clean run (``OUT/clean-seed<N>``) trains once from scratch; an FA cell's operators
+start from its checkpoint at ``onset - 100`` (copied into each operator's own checkpoint folder:
+nothing is shared after the fork), as the fault study forked its runs; a moe-lr cell's operators
+start from scratch. Every launch resumes (``launch.py``), so ``run`` can be killed and rerun.
+
+Per operator (:func:`summarize`): restarts, steps trained and then discarded (rolled back, or
+trained past a spike before the restart), extra wall time (the discarded steps' own step times
+plus the start-up of every extra launch; a loaded shared machine, so upper bounds), whether the
+cause was removed (the fault's flags gone from the last launch; for the LR fault the LR back at
+the base value), the last launch's exit code, and the loss at the last step smoothed over the
+last 100 steps against the clean run of the same seed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from mechmon_megatron.research.recovery_study.launch import LaunchState, kept_trajectory, stdout_of
+from mechmon_megatron.research.recovery_study.operators import (
+    recovery_records,
+    run_mechmon,
+    run_plain,
+    run_practice,
+    without_mechmon,
+)
+from mechmon_megatron.research.study.analysis import DivergenceRule
+from mechmon_megatron.research.study.runner import trainer_command
+from mechmon_megatron.research.study.scenarios import get_preset, get_scenario, trainer_flags, with_overrides
+from mechmon_megatron.supervise.checkpoints import MEGATRON_TRACKER
+from mechmon_megatron.supervise.command import flag_values, parse_command, set_flag
+
+OPERATORS = ("none", "practice", "mechmon")
+SMOOTH_STEPS = 100
+TARGET_LOSS_GAP = 0.02
+"""Target: the mechmon operator ends within 2 % of the clean run's smoothed loss."""
+SAVE_INTERVAL = 100
+RECORD_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Cell:
+    scenario: str
+    """``fa`` or ``moe-lr``."""
+    seed: int
+    strength: float = 32.0
+    onset: int = 500
+
+    @property
+    def cell_id(self) -> str:
+        if self.scenario == "fa":
+            return f"fa-s{self.strength:g}-on{self.onset}-seed{self.seed}"
+        return f"{self.scenario}-seed{self.seed}"
+
+    @property
+    def fork(self) -> int:
+        """The clean checkpoint the operators start from (0: from scratch)."""
+        return self.onset - SAVE_INTERVAL if self.scenario == "fa" else 0
+
+    @property
+    def train_iters(self) -> int:
+        return get_preset("full").train_iters
+
+
+def parse_cell(text: str) -> Cell:
+    """``fa:32:500:1`` (scenario:strength:onset:seed) or ``moe-lr:1``."""
+    parts = text.split(":")
+    cell: Optional[Cell] = None
+    try:
+        if parts[0] == "fa" and len(parts) == 4:
+            cell = Cell("fa", int(parts[3]), float(parts[1]), int(parts[2]))
+        elif parts[0] == "moe-lr" and len(parts) == 2:
+            cell = Cell("moe-lr", int(parts[1]))
+    except ValueError:
+        cell = None
+    if cell is None:
+        raise ValueError(f"--cells: expected fa:STRENGTH:ONSET:SEED or moe-lr:SEED, got {text!r}")
+    if cell.scenario == "fa" and not SAVE_INTERVAL < cell.onset <= cell.train_iters - 500:
+        raise ValueError(f"--cells {text}: the onset must be in {SAVE_INTERVAL + 1}..{cell.train_iters - 500} "
+                         f"on the {cell.train_iters}-step schedule (an onset of 2,000 needs the detector "
+                         "study's longer schedule, which this tool does not run)")
+    return cell
+
+
+def _flags(cell: Cell, scenario: str) -> list[str]:
+    preset = get_preset("full")
+    iters = cell.train_iters
+    preset = with_overrides(preset, fa_strength=cell.strength, fa_onset=cell.onset,
+                            lr_decay_iters=preset.lr_decay_iters or preset.train_iters)
+    return list(trainer_flags(get_scenario(scenario), preset, cell.seed, iters))
+
+
+def _command(flags: list[str], ckpt: str, out_dir: str, fork: int) -> list[str]:
+    argv = [*trainer_command(python=sys.executable), *flags, "--num-threads", "1",
+            "--save", ckpt, "--save-interval", str(SAVE_INTERVAL),
+            "--mechmon-log-dir", os.path.join(out_dir, "mechmon"),
+            "--metrics-jsonl", os.path.join(out_dir, "metrics.jsonl")]
+    if fork:
+        argv += ["--load", ckpt, "--ckpt-step", str(fork)]
+    return argv
+
+
+def clean_dir(out: str, seed: int) -> str:
+    return os.path.join(out, f"clean-seed{seed}")
+
+
+def _fork_into(clean_ckpt: str, ckpt: str, fork: int) -> None:
+    """Copy the clean run's checkpoint at ``fork`` into an operator's own folder (once)."""
+    name = f"iter_{fork:07d}"
+    if os.path.isdir(os.path.join(ckpt, name)):
+        return
+    source = os.path.join(clean_ckpt, name)
+    if not os.path.isdir(source):
+        raise RuntimeError(f"the clean run has no checkpoint {source}: run the clean run first")
+    os.makedirs(ckpt, exist_ok=True)
+    shutil.copytree(source, os.path.join(ckpt, name + ".tmp"), dirs_exist_ok=True)
+    os.replace(os.path.join(ckpt, name + ".tmp"), os.path.join(ckpt, name))
+    with open(os.path.join(ckpt, MEGATRON_TRACKER), "w", encoding="utf-8") as f:
+        f.write(str(fork))
+
+
+def run_clean(out: str, seed: int, cell: Cell) -> LaunchState:
+    directory = clean_dir(out, seed)
+    ckpt = os.path.join(directory, "ck")
+    return run_plain(directory, _command(_flags(cell, "clean"), ckpt, directory, 0), ckpt)
+
+
+def run_operator(out: str, cell: Cell, operator: str) -> LaunchState:
+    directory = os.path.join(out, cell.cell_id, operator)
+    ckpt = os.path.join(directory, "ck")
+    if cell.fork:
+        _fork_into(os.path.join(clean_dir(out, cell.seed), "ck"), ckpt, cell.fork)
+    argv = _command(_flags(cell, cell.scenario), ckpt, directory, cell.fork)
+    if operator == "none":
+        return run_plain(directory, argv, ckpt)
+    if operator == "practice":
+        prefix = kept_trajectory(LaunchState.load(clean_dir(out, cell.seed))) if cell.fork else {}
+        return run_practice(directory, without_mechmon(argv), ckpt, cell.fork, prefix)
+    if operator == "mechmon":
+        command = parse_command(argv)
+        host = set_flag(command.host_args, "--mechmon-action", ["checkpoint-and-abort"])
+        return run_mechmon(directory, list(command.with_host_args(host).argv), ckpt)
+    raise ValueError(f"unknown operator {operator!r}; choose from {OPERATORS}")
+
+
+def run_cell(out: str, cell: Cell, operators: tuple[str, ...] = OPERATORS,
+             records: Optional[str] = None) -> dict[str, Any]:
+    """Train what is missing of ``cell`` (the clean run first), then its record (written to
+    ``records`` after every operator, so a study cut short keeps what finished)."""
+    run_clean(out, cell.seed, cell)
+    for op in operators:
+        run_operator(out, cell, op)
+        if records:
+            write_record(summarize(out, cell), records)
+    return summarize(out, cell)
+
+
+# ------------------------------------------------------------------------------------------ summary
+def _smoothed(kept: dict[int, dict], last_step: int) -> Optional[float]:
+    values = [float(r["lm_loss"]) for i, r in kept.items()
+              if last_step - SMOOTH_STEPS < i <= last_step and r.get("lm_loss") is not None]
+    if len(values) < SMOOTH_STEPS // 2 or not all(math.isfinite(v) for v in values):
+        return None
+    return statistics.fmean(values)
+
+
+def _alarms(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if "[mechmon] ALARM at iteration" in line]
+
+
+def _log_mode_alarms(directory: str) -> list[int]:
+    """Checks where the monitors (``log`` mode: nothing acts) raised ``mechmon/alarm``."""
+    from mechmon_megatron.research.recovery_study.launch import read_rows
+
+    rows = read_rows(os.path.join(directory, "mechmon", "mechmon_scalars.jsonl"))
+    return sorted({int(r["step"]) for r in rows if float((r.get("scalars") or {}).get("mechmon/alarm", 0) or 0) >= 1})
+
+
+def _discarded(state: LaunchState) -> tuple[int, float]:
+    """Steps trained and later thrown away, and their step times (s)."""
+    steps, seconds = 0, 0.0
+    from mechmon_megatron.research.recovery_study.launch import read_rows
+
+    for k, launch in enumerate(state.launches[:-1]):
+        nxt = state.launches[k + 1].start_iteration
+        rows = {int(r["iteration"]): r for r in read_rows(launch.metrics_path(state.directory))}
+        lost = [r for i, r in rows.items() if i > nxt]
+        steps += len(lost)
+        seconds += sum(float(r.get("step_time_s") or 0.0) for r in lost)
+    return steps, seconds
+
+
+def _startup_s(state: LaunchState) -> float:
+    """Wall time of every launch beyond the first that was not spent in training steps."""
+    from mechmon_megatron.research.recovery_study.launch import read_rows
+
+    total = 0.0
+    for launch in state.launches[1:]:
+        rows = read_rows(launch.metrics_path(state.directory))
+        total += max(0.0, launch.wall_s - sum(float(r.get("step_time_s") or 0.0) for r in rows))
+    return total
+
+
+def _cause_removed(cell: Cell, argv: list[str]) -> str:
+    host = parse_command(argv).host_args
+    if cell.scenario == "fa":
+        return "yes" if flag_values(host, "--fa-fault-strength") is None else "no"
+    lr = float((flag_values(host, "--lr") or ["nan"])[0])
+    base = get_preset("full").base_lr
+    if lr <= base * 1.0001:
+        return "yes"
+    return "no" if lr >= get_preset("full").high_lr * 0.9999 else f"partly (LR {lr / base:g}x the base)"
+
+
+def summarize_operator(out: str, cell: Cell, operator: str, clean_loss: Optional[float]) -> dict[str, Any]:
+    directory = os.path.join(out, cell.cell_id, operator)
+    state = LaunchState.load(directory)
+    if not state.launches:
+        return {"status": "not run"}
+    kept = kept_trajectory(state)
+    if not state.launches[-1].finished:  # cut short: what it reached, and its decisions so far
+        partial: dict[str, Any] = {"status": "unfinished", "last_step": max(kept) if kept else cell.fork,
+                                   "launches": len(state.launches), "restarts": len(state.launches) - 1,
+                                   "wall_s": round(sum(launch.wall_s for launch in state.launches), 1)}
+        if operator == "mechmon":
+            partial["recovery"] = _recovery(os.path.join(directory, "ck"))
+        if operator == "practice":
+            partial["spikes"] = state.extra.get("practice", {}).get("rollbacks", [])
+        return partial
+    last = max(kept) if kept else 0
+    loss = _smoothed(kept, cell.train_iters)
+    steps, step_s = _discarded(state)
+    text = "".join(stdout_of(state, launch) for launch in state.launches)
+    divergence = DivergenceRule().first_step(list(kept), [float(r.get("lm_loss") or math.nan) for r in kept.values()])
+    final = state.launches[-1]
+    body: dict[str, Any] = {
+        "status": "done", "launches": len(state.launches), "restarts": len(state.launches) - 1,
+        "steps_discarded": steps, "extra_wall_s": round(step_s + _startup_s(state), 1),
+        "wall_s": round(sum(launch.wall_s for launch in state.launches), 1),
+        "cause_removed": _cause_removed(cell, final.argv), "exit_code": final.returncode, "last_step": last,
+        "loss_smoothed": loss,
+        "loss_vs_clean": None if loss is None or clean_loss is None else loss / clean_loss - 1.0,
+        "divergence_step": divergence, "alarms": _alarms(text)[:6],
+        "log_mode_alarm_steps": _log_mode_alarms(directory) if operator == "none" else [],
+        "launch_notes": [launch.note for launch in state.launches if launch.note],
+    }
+    if operator == "practice":
+        body["spikes"] = state.extra.get("practice", {}).get("rollbacks", [])
+    if operator == "mechmon":
+        body["recovery"] = _recovery(os.path.join(directory, "ck"))
+        body["recovered"] = (final.returncode == 0 and body["restarts"] <= 1 and body["loss_vs_clean"] is not None
+                             and abs(body["loss_vs_clean"]) <= TARGET_LOSS_GAP)
+    return body
+
+
+def _recovery(ckpt: str) -> list[dict[str, Any]]:
+    keys = ("action", "reason", "alert", "checkpoint", "after_change_point", "why", "remedy", "flags_removed",
+            "flags_added", "exit_code")
+    return [{k: r.get(k) for k in keys} for r in recovery_records(ckpt)]
+
+
+def summarize(out: str, cell: Cell) -> dict[str, Any]:
+    clean = LaunchState.load(clean_dir(out, cell.seed))
+    clean_kept = kept_trajectory(clean) if clean.launches else {}
+    clean_loss = _smoothed(clean_kept, cell.train_iters)
+    return {
+        "version": RECORD_VERSION, "cell": cell.cell_id, "scenario": cell.scenario, "seed": cell.seed,
+        "strength": cell.strength if cell.scenario == "fa" else None,
+        "onset": cell.onset if cell.scenario == "fa" else 1, "fork": cell.fork, "train_iters": cell.train_iters,
+        "smoothing_steps": SMOOTH_STEPS, "clean_loss_smoothed": clean_loss,
+        "clean_wall_s": round(sum(launch.wall_s for launch in clean.launches), 1),
+        "operators": {op: summarize_operator(out, cell, op, clean_loss) for op in OPERATORS},
+    }
+
+
+def write_record(record: dict[str, Any], dest: str) -> str:
+    os.makedirs(dest, exist_ok=True)
+    path = os.path.join(dest, f"{record['cell']}.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=1, sort_keys=True)
+        f.write("\n")
+    return path
