@@ -24,6 +24,7 @@ from mechmon_megatron.session.records import CheckOutput, NonFinite, Partial, St
 
 ATTN_DELTA2 = "attn_delta2"
 ATTN_DW = "attn_dw"
+ATTN_DELTA2_SHORT = "attn_delta2_short"
 
 
 def _finite(*tensors: torch.Tensor) -> bool:
@@ -85,6 +86,45 @@ def check_heads(
                               layer_number=layer_number, head=head))
         if per_head_scalars:
             scalars[names.attn("delta2_entropy", layer_number, head)] = Partial("value", value)
+    return CheckOutput(scalars=scalars, streams=streams)
+
+
+def check_heads_short(
+    layer_number: int,
+    prev: QKWeights,
+    now: QKWeights,
+    alpha: float,
+    method: Literal["gram", "compressed"],
+    per_head_scalars: bool,
+) -> CheckOutput:
+    """Delta2 entropy per head over the short window (``prev`` is the snapshot one interval old).
+
+    Scalars ``mechmon/attn/delta2_entropy_short/layer_L`` (mean over heads, nats) and, with
+    ``per_head_scalars``, ``.../layer_L/head_H``; one ``attn_delta2_short`` stream per head.
+    Non-finite weights are left to the long window's check (it reads the same weights now).
+    """
+    wq_prev, wk_prev = prev.wq.to(now.wq.device), prev.wk.to(now.wk.device)
+    if not _finite(now.wq, now.wk, wq_prev, wk_prev):
+        return CheckOutput()
+    spectra = qk_increment_singular_values(wq_prev, wk_prev, now.wq, now.wk, method=method, assume_finite=True)
+    d2 = spectral_stats(spectra["delta2"], alpha=alpha, trusted=True)
+    heads = [now.head_offset + i for i in range(now.wq.shape[0])]
+    n = len(heads)
+    values = torch.cat([d2["entropy"].to(torch.float64), d2["valid"].to(torch.float64),
+                        d2["fro_norm"].to(torch.float64)]).tolist()  # one host sync
+    entropy, valid, fro = values[:n], values[n : 2 * n], values[2 * n :]
+    scalars: dict[str, Partial] = {
+        names.attn("delta2_entropy_short", layer_number): Partial("mean", float(sum(entropy)), float(n)),
+    }
+    streams: list[Stream] = []
+    for i, head in enumerate(heads):
+        if not valid[i] and fro[i] == 0.0:
+            continue  # no update in the window: nothing to judge
+        value = entropy[i] if valid[i] else float("nan")
+        streams.append(Stream(name=names.attn("delta2_entropy_short", layer_number, head), family=ATTN_DELTA2_SHORT,
+                              value=value, layer_number=layer_number, head=head))
+        if per_head_scalars:
+            scalars[names.attn("delta2_entropy_short", layer_number, head)] = Partial("value", value)
     return CheckOutput(scalars=scalars, streams=streams)
 
 
