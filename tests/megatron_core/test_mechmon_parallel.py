@@ -83,6 +83,7 @@ def test_layout_matches_single_process(layout, runs, references):
     assert not bad, f"{layout}: {len(bad)} values differ, e.g. {list(bad.items())[:4]}"
 
 
+@pytest.mark.slow  # two more trainer launches (single + torchrun): ~185 s on the loaded 2-core machine
 def test_short_window_under_tp2_matches_single_process(runs):
     """``--mechmon-short-window`` (issue 19): the short window's Delta2 under TP=2 + SP equals TP=1.
 

@@ -1,9 +1,12 @@
 """The run list of the issue-19 short-window campaign: the detector study's runs, recorded with
 ``--mechmon-short-window`` (Delta2 over the last ``interval`` steps beside the ``delta``-step window).
 
-Same model, schedule, seeds and fault injector as :mod:`~mechmon_megatron.research.study.long_plan`
-(the trainer is bit-identical when repeated, so these runs retrace the committed ones and add the
-short-window scalars). Launch order (one job at a time on the shared machine):
+Same model, schedule, seeds and fault injector as :mod:`~mechmon_megatron.research.study.long_plan`,
+trained under the CPU pin of :mod:`~mechmon_megatron.research.reproducible_cpu` (the study runner
+applies it). The committed detector-study records were trained before that pin on another CPU, so
+these runs are a new realisation of the same runs (measured: the loss differs from step 1 at
+~1e-7 relative), and both designs are compared on these runs only. Launch order (one job at a
+time on the shared machine):
 
 1. calibration: ``healthy-cosine-seed1``, ``-seed2`` (10,000 steps, checkpoints at the fork points
    400 and 1,900);
