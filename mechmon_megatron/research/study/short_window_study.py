@@ -70,6 +70,12 @@ def calibrate_short(records: Mapping[str, CampaignRecord],
     missing = [r for r in calibration if r not in records]
     if missing:
         raise ValueError(f"calibration runs {missing} are not in the records")
+    unfinished = {r: (records[r].status.get("state"), records[r].data.steps[-1] if records[r].data.steps else 0)
+                  for r in calibration if records[r].status.get("state") != "done"}
+    if unfinished:
+        raise ValueError("calibration runs not finished (state, last step): "
+                         + ", ".join(f"{r} {s} {n}" for r, (s, n) in unfinished.items())
+                         + "; the design is calibrated on complete runs only (resume the campaign)")
     series = [records[r].data.checks for r in calibration]
     lacking = [r for r, c in zip(calibration, series) if not any(stream_family(k) == SHORT for _, sc in c for k in sc)]
     if lacking:

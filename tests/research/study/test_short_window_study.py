@@ -139,9 +139,13 @@ def test_only_families_drops_exactly_the_other_detector_streams(records):
 def test_calibration_without_the_short_streams_is_refused():
     plain = {r: CampaignRecord(
         run=CampaignRun(run_id=r, kind="healthy", scenario="clean", seed=i, train_iters=400, flags=()),
-        data=RunData.from_rows(metrics_rows(400, seed=i), _checks(400, i, short=False)), status={})
+        data=RunData.from_rows(metrics_rows(400, seed=i), _checks(400, i, short=False)), status={"state": "done"})
         for i, r in enumerate(("healthy-cosine-seed1", "healthy-cosine-seed2"))}
     with pytest.raises(ValueError, match="no attn_delta2_short streams"):
         calibrate_short(plain)
     with pytest.raises(ValueError, match="not in the records"):
         calibrate_short({})
+    for record in plain.values():
+        record.status = {"state": "running"}
+    with pytest.raises(ValueError, match="not finished.*healthy-cosine-seed1 running 400"):
+        calibrate_short(plain)
