@@ -7,10 +7,12 @@ the full-matrix dW). Pure torch, no host imports.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Optional
 
 import torch
+from torch import Tensor
 
+from mechmon_megatron.monitors.leading_direction import delta2_leading_directions, direction_persistence
 from mechmon_megatron.monitors.qk_increment import qk_increment_singular_values
 from mechmon_megatron.monitors.spectral import spectral_stats
 from mechmon_megatron.monitors.update_spectrum import (
@@ -89,6 +91,10 @@ def check_heads(
     return CheckOutput(scalars=scalars, streams=streams)
 
 
+Directions = tuple[Tensor, Tensor]
+"""Leading left / right singular vectors of each head's short-window Delta2 (``[heads, hidden]``)."""
+
+
 def check_heads_short(
     layer_number: int,
     prev: QKWeights,
@@ -96,36 +102,55 @@ def check_heads_short(
     alpha: float,
     method: Literal["gram", "compressed"],
     per_head_scalars: bool,
-) -> CheckOutput:
-    """Delta2 entropy per head over the short window (``prev`` is the snapshot one interval old).
+    previous: Optional[Directions] = None,
+) -> tuple[CheckOutput, Optional[Directions]]:
+    """Delta2 entropy per head over the short window (``prev`` is the snapshot one interval old),
+    and the persistence of its leading direction against the previous short window's.
 
     Scalars ``mechmon/attn/delta2_entropy_short/layer_L`` (mean over heads, nats) and, with
-    ``per_head_scalars``, ``.../layer_L/head_H``; one ``attn_delta2_short`` stream per head.
-    Non-finite weights are left to the long window's check (it reads the same weights now).
+    ``per_head_scalars``, ``.../layer_L/head_H``; one ``attn_delta2_short`` stream per head. With
+    ``previous`` (the directions of the window just before this one):
+    ``mechmon/attn/delta2_short_persistence/layer_L`` (mean over heads, in [0, 1]; per head with
+    ``per_head_scalars``), recorded only (no detector family). Returns the output and this
+    window's directions (None when the weights are non-finite: the long check reports those).
     """
     wq_prev, wk_prev = prev.wq.to(now.wq.device), prev.wk.to(now.wk.device)
     if not _finite(now.wq, now.wk, wq_prev, wk_prev):
-        return CheckOutput()
+        return CheckOutput(), None
     spectra = qk_increment_singular_values(wq_prev, wk_prev, now.wq, now.wk, method=method, assume_finite=True)
     d2 = spectral_stats(spectra["delta2"], alpha=alpha, trusted=True)
+    directions = delta2_leading_directions(wq_prev, wk_prev, now.wq, now.wk, assume_finite=True)
     heads = [now.head_offset + i for i in range(now.wq.shape[0])]
     n = len(heads)
-    values = torch.cat([d2["entropy"].to(torch.float64), d2["valid"].to(torch.float64),
-                        d2["fro_norm"].to(torch.float64)]).tolist()  # one host sync
-    entropy, valid, fro = values[:n], values[n : 2 * n], values[2 * n :]
+    parts = [d2["entropy"].to(torch.float64), d2["valid"].to(torch.float64), d2["fro_norm"].to(torch.float64)]
+    if previous is not None:
+        parts.append(direction_persistence(previous[0], previous[1], directions[0], directions[1]))
+    values = torch.cat(parts).tolist()  # one host sync
+    entropy, valid, fro = values[:n], values[n : 2 * n], values[2 * n : 3 * n]
+    persistence = values[3 * n :]
     scalars: dict[str, Partial] = {
         names.attn("delta2_entropy_short", layer_number): Partial("mean", float(sum(entropy)), float(n)),
     }
     streams: list[Stream] = []
-    for i, head in enumerate(heads):
-        if not valid[i] and fro[i] == 0.0:
-            continue  # no update in the window: nothing to judge
+    moved = [i for i in range(n) if valid[i] or fro[i] != 0.0]  # a window without update: nothing to judge
+    for i in moved:
         value = entropy[i] if valid[i] else float("nan")
+        head = heads[i]
         streams.append(Stream(name=names.attn("delta2_entropy_short", layer_number, head), family=ATTN_DELTA2_SHORT,
                               value=value, layer_number=layer_number, head=head))
         if per_head_scalars:
             scalars[names.attn("delta2_entropy_short", layer_number, head)] = Partial("value", value)
-    return CheckOutput(scalars=scalars, streams=streams)
+    if persistence and moved:
+        kept = [persistence[i] for i in moved if valid[i]]
+        if kept:
+            scalars[names.attn("delta2_short_persistence", layer_number)] = Partial("mean", float(sum(kept)),
+                                                                                  float(len(kept)))
+        if per_head_scalars:
+            for i in moved:
+                if valid[i]:
+                    scalars[names.attn("delta2_short_persistence", layer_number, heads[i])] = Partial(
+                        "value", persistence[i])
+    return CheckOutput(scalars=scalars, streams=streams), directions
 
 
 def check_full(

@@ -124,6 +124,9 @@ class MonitoringSession:
         budget = snapshot_bytes(config, self.attention_sites)
         device = weights_device(self.attention_sites)
         self.snapshots = SnapshotStore(resolve_placement(config, budget, device))
+        # --mechmon-short-window: per site, (check step, leading Delta2 directions of its short
+        # window), for the persistence at the next check (2 hidden-size vectors per head).
+        self._short_directions: dict[int, tuple[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         if self.attention_sites:
             # Many sets at once (delta >> interval) is a memory cost the user should see, not only read.
             level = logging.WARNING if config.overlap > QUIET_SNAPSHOT_SETS else logging.INFO
@@ -311,8 +314,16 @@ class MonitoringSession:
                                        cfg.full_matrix_method, cfg.full_matrix_rank, cfg.wq_norm_power_iters))
             short_heads = short.get(index, (None, None))[0] if short is not None else None
             if heads is not FAILED and heads is not None and short_heads is not None:
-                outputs.append(log.run("kernel", layer, iteration, check_heads_short, layer, short_heads, heads,
-                                       cfg.alpha, cfg.qk_method, cfg.per_head_scalars))
+                # The previous short window is (t - 2 interval, t - interval]: adjacent, not overlapping.
+                kept = self._short_directions.pop(index, None)
+                previous = kept[1] if kept is not None and kept[0] == iteration - cfg.interval else None
+                result = log.run("kernel", layer, iteration, check_heads_short, layer, short_heads, heads,
+                                 cfg.alpha, cfg.qk_method, cfg.per_head_scalars, previous)
+                if result is not FAILED:
+                    output, directions = result
+                    outputs.append(output)
+                    if directions is not None:
+                        self._short_directions[index] = (iteration, directions)
         self.snapshots.release(snapshot)
         for router, floor in zip(self.router_sites, self._router_floors):
             outputs.append(self._router_check(iteration, router, floor))

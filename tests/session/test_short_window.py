@@ -49,6 +49,14 @@ def dense_delta2_entropy(wq_prev, wk_prev, wq_now, wk_now, head: int, alpha: flo
     return float(-(p * p.log()).sum())
 
 
+def dense_leading(wq_prev, wk_prev, wq_now, wk_now, head: int):
+    g = head // (HEADS // GROUPS)
+    q0, k0 = wq_prev[head].double().T, wk_prev[g].double().T
+    dq, dk = wq_now[head].double().T - q0, wk_now[g].double().T - k0
+    u, _, vh = torch.linalg.svd(dq @ k0.T + q0 @ dk.T)
+    return u[:, 0], vh[0]
+
+
 def _run_pair(tmp_path, steps: int):
     """Two sessions (short window on / off) on one weight history; every step's weights kept."""
     layer = ToyAttention(1, 3)
@@ -95,6 +103,16 @@ def test_short_window_matches_the_dense_reference_and_needs_no_new_snapshot(tmp_
     # The first check (step 5) has no delta-old snapshot yet, only the interval-old one.
     assert names.attn("delta2_entropy", 1) not in rows_on[INTERVAL]
     assert names.attn("delta2_entropy_short", 1) in rows_on[INTERVAL]
+    # Persistence of the leading direction between adjacent short windows, against dense svds.
+    for step in range(2 * INTERVAL, 41, INTERVAL):
+        w0, w1, w2 = history[step - 2 * INTERVAL], history[step - INTERVAL], history[step]
+        for head in range(HEADS):
+            u0, v0 = dense_leading(*w0, *w1, head)
+            u1, v1 = dense_leading(*w1, *w2, head)
+            expected = float((u0 @ u1).abs() * (v0 @ v1).abs())
+            got = rows_on[step][names.attn("delta2_short_persistence", 1, head)]
+            assert got == pytest.approx(expected, abs=1e-8), (step, head)
+    assert names.attn("delta2_short_persistence", 1) not in rows_on[INTERVAL]  # no earlier short window
     # Sanity of the reference itself: the long window at step 40 against the dense Delta2.
     prev, now = history[40 - DELTA], history[40]
     assert rows_on[40][names.attn("delta2_entropy", 1, 0)] == pytest.approx(
@@ -120,6 +138,12 @@ def test_short_window_alarm_names_its_family(tmp_path):
         decision = session.on_step_end(it)
         families |= {a.family for a in decision.alerts}
     assert "attn_delta2_short" in families
+    # The fault pushes one direction every step: its leading direction persists, healthy ones rotate.
+    rows = {r["step"]: r["scalars"] for r in read_jsonl(tmp_path / "alarm.jsonl")}
+    key = names.attn("delta2_short_persistence", 1)
+    healthy = [rows[s][key] for s in range(200, 301, INTERVAL)]
+    faulty = [rows[s][key] for s in range(330, 401, INTERVAL)]  # both windows after the onset (300)
+    assert min(faulty) > 0.3 > max(healthy)  # measured: faulty 0.41-0.83, healthy 0.04-0.15
 
 
 @pytest.mark.parametrize("interval, delta", [(20, 30), (20, 20), (20, 10)])

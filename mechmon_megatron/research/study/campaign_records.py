@@ -27,6 +27,7 @@ _KEPT_PREFIXES = (
     "mechmon/router/token_entropy_floor/",
     "mechmon/router/max_vio/",
     "mechmon/attn/wq_spectral_norm/",
+    "mechmon/attn/delta2_short_persistence/",
     "mechmon/detect/",
     "mechmon/alarm",
 )
