@@ -6,7 +6,8 @@
 Times, on one synthetic attention layer (``W ~ N(0, 0.02)``, increments of RMS 1e-3 over each
 window), the session's own functions: ``check_heads`` (long window: Delta1/2/3 and per-head dW
 spectra), ``check_full`` (full-matrix dW, randomized rank 128 as shipped) and
-``check_heads_short`` (short window: Delta2 per head). Prints one JSON object: medians in ms and
+``check_heads_short`` (short window: Delta2 per head and its leading singular pair, of which
+``delta2_leading_directions`` is timed alone too). Prints one JSON object: medians in ms and
 the short window's share of the check. Wall times on a shared machine: compare the ratios
 within one run, not the absolute numbers across runs.
 """
@@ -22,18 +23,23 @@ from collections.abc import Callable
 
 import torch
 
+from mechmon_megatron.monitors.leading_direction import delta2_leading_directions
 from mechmon_megatron.session.attention_check import check_full, check_heads, check_heads_short
 from mechmon_megatron.session.host import FullQK, QKWeights
 
 
-def _median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
+def _interleaved_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median wall time of each call, the calls interleaved round by round (a shared machine's
+    load then weighs on all of them alike)."""
+    for fn in fns.values():
+        fn()  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(1000.0 * (time.perf_counter() - start))
-    return statistics.median(times)
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(1000.0 * (time.perf_counter() - start))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main(argv=None) -> int:
@@ -60,13 +66,12 @@ def main(argv=None) -> int:
     short_prev = QKWeights(wq - dq_short, wk - dk_short, 0)
     full_now = FullQK(wq.reshape(-1, args.hidden), wk.reshape(-1, args.hidden))
     full_prev = FullQK(long_prev.wq.reshape(-1, args.hidden), long_prev.wk.reshape(-1, args.hidden))
-    ms = {
-        "check_heads": _median_ms(lambda: check_heads(1, long_prev, now, 2.0, "gram", False), args.repeats),
-        "check_full": _median_ms(lambda: check_full(1, full_prev, full_now, 2.0, "randomized", 128, 16),
-                                 args.repeats),
-        "check_heads_short": _median_ms(lambda: check_heads_short(1, short_prev, now, 2.0, "gram", False),
-                                        args.repeats),
-    }
+    ms = _interleaved_ms({
+        "check_heads": lambda: check_heads(1, long_prev, now, 2.0, "gram", False),
+        "check_full": lambda: check_full(1, full_prev, full_now, 2.0, "randomized", 128, 16),
+        "check_heads_short": lambda: check_heads_short(1, short_prev, now, 2.0, "gram", False),
+        "of_which_leading_directions": lambda: delta2_leading_directions(short_prev.wq, short_prev.wk, now.wq, now.wk),
+    }, args.repeats)
     long_check = ms["check_heads"] + ms["check_full"]
     out = {
         "shape": {"hidden": args.hidden, "num_heads": args.num_heads, "num_groups": groups,

@@ -21,6 +21,10 @@ Attention (family ``attn``), per layer:
     (with short_window) mechmon/attn/delta2_entropy_short/layer_L   mean over heads of the Delta2
                                                entropy over the last ``interval`` steps (nats); per
                                                head ``.../layer_L/head_H`` with per_head_scalars
+    (with short_window) mechmon/attn/delta2_short_persistence/layer_L   mean over heads of
+                                               |<u_k, u_k-1>| |<v_k, v_k-1>|, the leading Delta2
+                                               singular pair of two adjacent short windows, in
+                                               [0, 1] (recorded; not judged by the detector)
 Router (family ``router``), per MoE layer:
     mechmon/router/token_entropy/layer_L       mean routing entropy per token over all experts (nats;
                                                full softmax, or normalised sigmoid scores)
