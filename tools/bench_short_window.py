@@ -6,8 +6,8 @@
 Times, on one synthetic attention layer (``W ~ N(0, 0.02)``, increments of RMS 1e-3 over each
 window), the session's own functions: ``check_heads`` (long window: Delta1/2/3 and per-head dW
 spectra), ``check_full`` (full-matrix dW, randomized rank 128 as shipped) and
-``check_heads_short`` (short window: Delta2 per head and its leading singular pair, of which
-``delta2_leading_directions`` is timed alone too). Prints one JSON object: medians in ms and
+``check_heads_short`` (short window: Delta2 per head and its leading singular pair, one core SVD,
+``monitors/leading_direction.py``). Prints one JSON object: medians in ms and
 the short window's share of the check. Wall times on a shared machine: compare the ratios
 within one run, not the absolute numbers across runs.
 """
@@ -23,7 +23,6 @@ from collections.abc import Callable
 
 import torch
 
-from mechmon_megatron.monitors.leading_direction import delta2_leading_directions
 from mechmon_megatron.session.attention_check import check_full, check_heads, check_heads_short
 from mechmon_megatron.session.host import FullQK, QKWeights
 
@@ -70,7 +69,6 @@ def main(argv=None) -> int:
         "check_heads": lambda: check_heads(1, long_prev, now, 2.0, "gram", False),
         "check_full": lambda: check_full(1, full_prev, full_now, 2.0, "randomized", 128, 16),
         "check_heads_short": lambda: check_heads_short(1, short_prev, now, 2.0, "gram", False),
-        "of_which_leading_directions": lambda: delta2_leading_directions(short_prev.wq, short_prev.wk, now.wq, now.wk),
     }, args.repeats)
     long_check = ms["check_heads"] + ms["check_full"]
     out = {

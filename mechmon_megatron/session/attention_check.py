@@ -12,7 +12,7 @@ from typing import Literal, Optional
 import torch
 from torch import Tensor
 
-from mechmon_megatron.monitors.leading_direction import delta2_leading_directions, direction_persistence
+from mechmon_megatron.monitors.leading_direction import delta2_spectrum_and_directions, direction_persistence
 from mechmon_megatron.monitors.qk_increment import qk_increment_singular_values
 from mechmon_megatron.monitors.spectral import spectral_stats
 from mechmon_megatron.monitors.update_spectrum import (
@@ -117,9 +117,9 @@ def check_heads_short(
     wq_prev, wk_prev = prev.wq.to(now.wq.device), prev.wk.to(now.wk.device)
     if not _finite(now.wq, now.wk, wq_prev, wk_prev):
         return CheckOutput(), None
-    spectra = qk_increment_singular_values(wq_prev, wk_prev, now.wq, now.wk, method=method, assume_finite=True)
-    d2 = spectral_stats(spectra["delta2"], alpha=alpha, trusted=True)
-    directions = delta2_leading_directions(wq_prev, wk_prev, now.wq, now.wk, assume_finite=True)
+    s, u, v = delta2_spectrum_and_directions(wq_prev, wk_prev, now.wq, now.wk, method=method, assume_finite=True)
+    d2 = spectral_stats(s, alpha=alpha, trusted=True)
+    directions = (u, v)
     heads = [now.head_offset + i for i in range(now.wq.shape[0])]
     n = len(heads)
     parts = [d2["entropy"].to(torch.float64), d2["valid"].to(torch.float64), d2["fro_norm"].to(torch.float64)]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mechmon_megatron.monitors.leading_direction import delta2_leading_directions, direction_persistence
+from mechmon_megatron.monitors.leading_direction import delta2_spectrum_and_directions, direction_persistence
+from mechmon_megatron.monitors.qk_increment import qk_increment_singular_values
 
 
 def _dense_leading(wq_prev, wk_prev, wq_now, wk_now, head):
@@ -17,15 +18,19 @@ def _dense_leading(wq_prev, wk_prev, wq_now, wk_now, head):
     return u[:, 0], vh[0]
 
 
+@pytest.mark.parametrize("method", ["gram", "compressed"])
 @pytest.mark.parametrize("heads, groups, head_dim, hidden", [(4, 4, 8, 32), (4, 2, 8, 32), (2, 1, 16, 24)])
-def test_directions_match_the_dense_svd(heads, groups, head_dim, hidden):
+def test_directions_match_the_dense_svd(heads, groups, head_dim, hidden, method):
     g = torch.Generator().manual_seed(heads * 100 + groups + hidden)
     wq = torch.randn(heads, head_dim, hidden, generator=g)
     wk = torch.randn(groups, head_dim, hidden, generator=g)
     wq2 = wq + 0.01 * torch.randn(wq.shape, generator=g)
     wk2 = wk + 0.01 * torch.randn(wk.shape, generator=g)
-    u, v = delta2_leading_directions(wq, wk, wq2, wk2)
+    s, u, v = delta2_spectrum_and_directions(wq, wk, wq2, wk2, method=method)
     assert u.shape == v.shape == (heads, hidden) and u.dtype == torch.float64
+    dense = qk_increment_singular_values(wq, wk, wq2, wk2, method="dense")["delta2"]
+    assert s.shape == dense.shape
+    assert torch.allclose(s, dense, rtol=1e-7, atol=1e-9 * float(dense.max()))
     for head in range(heads):
         du, dv = _dense_leading(wq, wk, wq2, wk2, head)
         assert float((u[head] @ du).abs()) == pytest.approx(1.0, abs=1e-9)
