@@ -41,10 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--jobs", type=int, default=2, help="Runs in parallel (one core each).")
     run.add_argument("--only", default=None, help="Comma-separated run ids (default: all).")
     run.add_argument("--no-progress", action="store_true")
-    for sub_parser in (run,):
-        sub_parser.add_argument("--plan", choices=PLANS, default="study",
-                                help="study: the detector study (long_plan); short-window: its runs recorded with "
-                                "--mechmon-short-window (short_window_plan, issue 19).")
+    run.add_argument("--plan", choices=PLANS, default="study",
+                     help="study: the detector study (long_plan); short-window: its runs recorded with "
+                     "--mechmon-short-window (short_window_plan, issue 19).")
     analyze = sub.add_parser("analyze", help="Calibrate the detector and compare rules at equal false-alarm rate.")
     analyze.add_argument("--out", required=True, help="Campaign directory (outputs go to OUT/analysis).")
     analyze.add_argument("--records", default=None,
