@@ -113,8 +113,9 @@ def test_short_window_under_tp2_matches_single_process(runs):
 
     expected = one("short_single", [])
     got = one("short_tp2", [*TP2, "--sequence-parallel"])
-    compared = [k for k in expected if "delta2_entropy" in k]
+    compared = [k for k in expected if "delta2_entropy" in k or "delta2_short_persistence" in k]
     assert any("delta2_entropy_short/" in k and "/head_" in k for k in compared)
+    assert any("delta2_short_persistence/" in k and "/head_" in k for k in compared)
     assert any(k.startswith("mechmon/attn/delta2_entropy/") for k in compared)
     bad = {k: (got.get(k), expected[k]) for k in compared
            if k not in got or abs(got[k] - expected[k]) > 1e-4 * max(abs(expected[k]), 1e-6)}
