@@ -4,6 +4,9 @@
     python tools/detector_study.py analyze --out runs/detector_study         # tables, plots, JSON
     python tools/detector_study.py export --out runs/detector_study --to docs/data/detector_study
     python tools/detector_study.py analyze --out /tmp/ds --records docs/data/detector_study  # no training
+    python tools/detector_study.py run --plan short-window --out /work/detector_runs/short_window --jobs 1
+    python tools/detector_study.py export --plan short-window --out /work/detector_runs/short_window \
+        --to docs/data/short_window_study
 
 ``run`` trains (or resumes) every run of ``mechmon_megatron.research.study.long_plan``; launch it again
 after an interruption and it continues from the checkpoints. See docs/RESULTS.md.
@@ -18,7 +21,16 @@ import os
 import sys
 
 from mechmon_megatron.research.study.campaign import launch_campaign
-from mechmon_megatron.research.study.long_plan import plan_campaign
+from mechmon_megatron.research.study.long_plan import CampaignRun, plan_campaign
+from mechmon_megatron.research.study.short_window_plan import plan_short_window_campaign, write_provisional_calibration
+
+PLANS = ("study", "short-window")
+
+
+def _plan(name: str, out_dir: str) -> list[CampaignRun]:
+    if name == "short-window":
+        return plan_short_window_campaign(write_provisional_calibration(out_dir))
+    return plan_campaign()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--jobs", type=int, default=2, help="Runs in parallel (one core each).")
     run.add_argument("--only", default=None, help="Comma-separated run ids (default: all).")
     run.add_argument("--no-progress", action="store_true")
+    run.add_argument("--plan", choices=PLANS, default="study",
+                     help="study: the detector study (long_plan); short-window: its runs recorded with "
+                     "--mechmon-short-window (short_window_plan, issue 19).")
     analyze = sub.add_parser("analyze", help="Calibrate the detector and compare rules at equal false-alarm rate.")
     analyze.add_argument("--out", required=True, help="Campaign directory (outputs go to OUT/analysis).")
     analyze.add_argument("--records", default=None,
@@ -37,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="Write the runs' records (no checkpoints), one .json.gz per run.")
     export.add_argument("--out", required=True, help="Campaign directory.")
     export.add_argument("--to", required=True, help="Destination folder (e.g. docs/data/detector_study).")
+    export.add_argument("--plan", choices=PLANS, default="study", help="As for run.")
     return p
 
 
@@ -44,7 +60,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     if args.command == "run":
-        runs = plan_campaign()
+        runs = _plan(args.plan, args.out)
         if args.only:
             wanted = {x.strip() for x in args.only.split(",")}
             unknown = wanted - {r.run_id for r in runs}
@@ -57,7 +73,7 @@ def main(argv=None) -> int:
     if args.command == "export":
         from mechmon_megatron.research.study.campaign_records import export_records
 
-        paths = export_records(args.out, args.to)
+        paths = export_records(args.out, args.to, _plan(args.plan, args.out))
         print(json.dumps({"files": len(paths), "bytes": sum(os.path.getsize(p) for p in paths)}))
         return 0
     from mechmon_megatron.research.study.detector_report import analyze_campaign

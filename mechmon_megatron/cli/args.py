@@ -168,6 +168,12 @@ def add_mechmon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         action="store_true",
         help="Also alarm at once on one check far beyond the null tail (Shewhart limit; off by default).",
     )
+    g.add_argument(
+        "--mechmon-short-window",
+        action="store_true",
+        help="Also compute Delta2 over the last --mechmon-interval steps at every check (detector family "
+        "attn_delta2_short; needs a calibration with that family; off by default).",
+    )
     for flag in REMOVED_FLAGS:  # 0.1 flags: accepted by the parser so that the error can name them
         g.add_argument(flag, type=str, default=None, help=argparse.SUPPRESS)
     return parser
@@ -210,6 +216,7 @@ def config_from_args(args: argparse.Namespace) -> MechmonConfig:
         detector_calibration=args.mechmon_detector_calibration,
         alert_webhook=getattr(args, "mechmon_alert_webhook", None),
         detector_shewhart=bool(getattr(args, "mechmon_detector_shewhart", False)),
+        short_window=bool(getattr(args, "mechmon_short_window", False)),
     )
 
 

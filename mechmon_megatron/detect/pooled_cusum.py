@@ -46,6 +46,7 @@ from mechmon_megatron.detect.robust_trend import Direction, RobustTrend, TrendCo
 
 __all__ = [
     "FAMILY_DIRECTIONS",
+    "OPTIONAL_FAMILIES",
     "CheckResult",
     "FamilyThresholds",
     "Observation",
@@ -65,8 +66,14 @@ FAMILY_DIRECTIONS: dict[str, Direction] = {
     "attn_dw": "drop",
     "router_entropy": "drop",
     "router_weights": "rise",
+    "attn_delta2_short": "drop",
 }
-"""Fault direction of each family: entropies drop, router weight similarity rises."""
+"""Fault direction of each family: entropies drop, router weight similarity rises.
+``attn_delta2_short`` (Delta2 over a window one interval long) is optional: a job has it only
+with ``--mechmon-short-window`` (``OPTIONAL_FAMILIES``)."""
+
+OPTIONAL_FAMILIES: tuple[str, ...] = ("attn_delta2_short",)
+"""Families a calibration file may lack: only a job that asks for one needs its tails."""
 
 Level = Literal["layer", "family"]
 

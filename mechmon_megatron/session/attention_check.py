@@ -7,10 +7,12 @@ the full-matrix dW). Pure torch, no host imports.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Optional
 
 import torch
+from torch import Tensor
 
+from mechmon_megatron.monitors.leading_direction import delta2_spectrum_and_directions, direction_persistence
 from mechmon_megatron.monitors.qk_increment import qk_increment_singular_values
 from mechmon_megatron.monitors.spectral import spectral_stats
 from mechmon_megatron.monitors.update_spectrum import (
@@ -24,6 +26,7 @@ from mechmon_megatron.session.records import CheckOutput, Family, NonFinite, Par
 
 ATTN_DELTA2 = Family.ATTN_DELTA2
 ATTN_DW = Family.ATTN_DW
+ATTN_DELTA2_SHORT = Family.ATTN_DELTA2_SHORT
 
 
 def _finite(*tensors: torch.Tensor) -> bool:
@@ -86,6 +89,68 @@ def check_heads(
         if per_head_scalars:
             scalars[names.attn("delta2_entropy", layer_number, head)] = Partial("value", value)
     return CheckOutput(scalars=scalars, streams=streams)
+
+
+Directions = tuple[Tensor, Tensor]
+"""Leading left / right singular vectors of each head's short-window Delta2 (``[heads, hidden]``)."""
+
+
+def check_heads_short(
+    layer_number: int,
+    prev: QKWeights,
+    now: QKWeights,
+    alpha: float,
+    method: Literal["gram", "compressed"],
+    per_head_scalars: bool,
+    previous: Optional[Directions] = None,
+) -> tuple[CheckOutput, Optional[Directions]]:
+    """Delta2 entropy per head over the short window (``prev`` is the snapshot one interval old),
+    and the persistence of its leading direction against the previous short window's.
+
+    Scalars ``mechmon/attn/delta2_entropy_short/layer_L`` (mean over heads, nats) and, with
+    ``per_head_scalars``, ``.../layer_L/head_H``; one ``attn_delta2_short`` stream per head. With
+    ``previous`` (the directions of the window just before this one):
+    ``mechmon/attn/delta2_short_persistence/layer_L`` (mean over heads, in [0, 1]; per head with
+    ``per_head_scalars``), recorded only (no detector family). Returns the output and this
+    window's directions (None when the weights are non-finite: the long check reports those).
+    """
+    wq_prev, wk_prev = prev.wq.to(now.wq.device), prev.wk.to(now.wk.device)
+    if not _finite(now.wq, now.wk, wq_prev, wk_prev):
+        return CheckOutput(), None
+    s, u, v = delta2_spectrum_and_directions(wq_prev, wk_prev, now.wq, now.wk, method=method, assume_finite=True)
+    d2 = spectral_stats(s, alpha=alpha, trusted=True)
+    directions = (u, v)
+    heads = [now.head_offset + i for i in range(now.wq.shape[0])]
+    n = len(heads)
+    parts = [d2["entropy"].to(torch.float64), d2["valid"].to(torch.float64), d2["fro_norm"].to(torch.float64)]
+    if previous is not None:
+        parts.append(direction_persistence(previous[0], previous[1], directions[0], directions[1]))
+    values = torch.cat(parts).tolist()  # one host sync
+    entropy, valid, fro = values[:n], values[n : 2 * n], values[2 * n : 3 * n]
+    persistence = values[3 * n :]
+    scalars: dict[str, Partial] = {
+        names.attn("delta2_entropy_short", layer_number): Partial("mean", float(sum(entropy)), float(n)),
+    }
+    streams: list[Stream] = []
+    moved = [i for i in range(n) if valid[i] or fro[i] != 0.0]  # a window without update: nothing to judge
+    for i in moved:
+        value = entropy[i] if valid[i] else float("nan")
+        head = heads[i]
+        streams.append(Stream(name=names.attn("delta2_entropy_short", layer_number, head), family=ATTN_DELTA2_SHORT,
+                              value=value, layer_number=layer_number, head=head))
+        if per_head_scalars:
+            scalars[names.attn("delta2_entropy_short", layer_number, head)] = Partial("value", value)
+    if persistence and moved:
+        kept = [persistence[i] for i in moved if valid[i]]
+        if kept:
+            scalars[names.attn("delta2_short_persistence", layer_number)] = Partial("mean", float(sum(kept)),
+                                                                                  float(len(kept)))
+        if per_head_scalars:
+            for i in moved:
+                if valid[i]:
+                    scalars[names.attn("delta2_short_persistence", layer_number, heads[i])] = Partial(
+                        "value", persistence[i])
+    return CheckOutput(scalars=scalars, streams=streams), directions
 
 
 def check_full(

@@ -133,6 +133,14 @@ class MechmonConfig:
     it is confirmed on held-out fault seeds (docs/RESULTS.md, issue 19 design study). Needs a
     calibration with a ``shewhart`` section (the shipped one has it)."""
 
+    short_window: bool = False
+    """Also compute Delta2 over a short window ``interval`` steps long at every check, beside the
+    ``delta``-step one, from the snapshot the ring already holds for the check at
+    ``t - interval + delta`` (no extra memory): scalars ``mechmon/attn/delta2_entropy_short/...``
+    and the detector family ``attn_delta2_short``, its own tests in the union bound. Needs
+    ``delta`` a multiple of ``interval`` and larger than it, and a calibration with an
+    ``attn_delta2_short`` section (the shipped one has none: off until calibrated, docs/RESULTS.md)."""
+
     extra: dict = field(default_factory=dict)
     """Host-specific extras (ignored by the session)."""
 
@@ -194,6 +202,14 @@ class MechmonConfig:
             "false-alarm-rate",
             f"must be a number in (0, 1e6] (false alarms per 10^6 steps), got {self.false_alarm_rate!r}",
         )
+        if self.short_window:
+            _require(
+                self.delta > self.interval and self.delta % self.interval == 0,
+                "short-window",
+                f"needs --mechmon-delta a multiple of --mechmon-interval and larger than it (the short window "
+                f"reuses the snapshot taken one interval before each check), got delta {self.delta}, interval "
+                f"{self.interval}",
+            )
         if self.detector_calibration is not None:
             _require(
                 os.path.isfile(self.detector_calibration),
@@ -235,6 +251,10 @@ class MechmonConfig:
     def is_snapshot_step(self, iteration: int) -> bool:
         """True when a weight snapshot must be taken after ``iteration`` for a later check."""
         return self.enabled and "attn" in self.monitors and (iteration + self.delta) % self.interval == 0
+
+    def short_snapshot_key(self, iteration: int) -> int:
+        """Ring key of the snapshot taken at ``iteration - interval``: the check step it serves."""
+        return iteration - self.interval + self.delta
 
     def is_drill_step(self, iteration: int) -> bool:
         return self.enabled and self.drill_at is not None and iteration == self.drill_at

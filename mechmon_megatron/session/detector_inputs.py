@@ -13,7 +13,10 @@ family             scalar (stream) name                                   member
 ``attn_dw``        ``mechmon/attn/dw_entropy/layer_L``, ``dwk_entropy``   ``dw_entropy`` ...
 ``router_entropy`` ``mechmon/router/token_entropy/layer_L``              ``token_entropy``
 ``router_weights`` ``mechmon/router/weight_similarity/layer_L``          ``weight_similarity``
+``attn_delta2_short`` ``mechmon/attn/delta2_entropy_short/layer_L/head_H`` ``head_H``
 =================  ====================================================  ===================
+
+(``attn_delta2_short``: only with ``--mechmon-short-window``.)
 
 The routing entropy's absolute limit is ``mechmon/router/token_entropy_floor/layer_L``.
 """
@@ -37,6 +40,7 @@ _PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(rf"^{names.PREFIX}/attn/(dwk?_entropy)/layer_(\d+)$"), "attn_dw"),
     (re.compile(rf"^{names.PREFIX}/router/(token_entropy)/layer_(\d+)$"), "router_entropy"),
     (re.compile(rf"^{names.PREFIX}/router/(weight_similarity)/layer_(\d+)$"), "router_weights"),
+    (re.compile(rf"^{names.PREFIX}/attn/(delta2_entropy_short)/layer_(\d+)/(head_\d+)$"), "attn_delta2_short"),
 )
 
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from mechmon_megatron.detect.null_model import JobShape, TailTable, load_tail_table, thresholds_for_job
 from mechmon_megatron.detect.pooled_cusum import (
     FAMILY_DIRECTIONS,
+    OPTIONAL_FAMILIES,
     PooledAlarm,
     PooledCusumDetector,
     SequentialConfig,
@@ -42,6 +43,8 @@ def local_layers(
         out["attn_delta2"] = attn
         if config.full_matrix_dw:
             out["attn_dw"] = attn
+        if config.short_window:
+            out["attn_delta2_short"] = attn
     if routers:
         out["router_entropy"] = routers
         out["router_weights"] = routers
@@ -58,20 +61,44 @@ def job_shape(config: MechmonConfig, per_rank: Iterable[Mapping[str, Sequence[in
                     overlap=config.overlap)
 
 
+def detector_families(config: MechmonConfig) -> tuple[str, ...]:
+    """The detector families this configuration can feed: the four core families, plus
+    ``attn_delta2_short`` under ``--mechmon-short-window`` (with the attention monitors)."""
+    core = tuple(f for f in FAMILY_DIRECTIONS if f not in OPTIONAL_FAMILIES)
+    short = ("attn_delta2_short",) if config.short_window and "attn" in config.monitors else ()
+    return core + short
+
+
+_OPTION_FLAGS = {"attn_delta2_short": "--mechmon-short-window"}
+
+
 def load_detector_design(config: MechmonConfig) -> tuple[SequentialConfig, TailTable]:
     """The detector's design for this schedule and its null tails, checked at start-up: a bad
-    calibration file stops the job naming the flag, before any training step."""
+    calibration file stops the job naming the flag, before any training step; a calibration
+    without the tails of a family an option asks for stops it naming the family and the option."""
     design = dataclasses.replace(default_sequential_config(config.interval), shewhart=config.detector_shewhart)
     source = config.detector_calibration or "the shipped null_tails.json"
+    families = detector_families(config)
     try:
         table = load_tail_table(config.detector_calibration)
-        for family in FAMILY_DIRECTIONS:  # every family must have a tail at this overlap
+        for family in families:  # every family must have a tail at this overlap
+            if family in OPTIONAL_FAMILIES:
+                continue  # checked below, with the option's own message
             table.tail(config.overlap, family, "layer")
     except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
         raise ValueError(f"--mechmon-detector-calibration: no usable null-tail table in {source}: {exc}") from None
+    for family in (f for f in families if f in OPTIONAL_FAMILIES):
+        try:
+            table.tail(config.overlap, family, "layer")
+        except KeyError:
+            raise ValueError(
+                f"{_OPTION_FLAGS[family]}: the calibration {source} has no null tail for detector family "
+                f"{family!r}; fit one with tools/calibrate_detector.py on healthy runs recorded with "
+                f"{_OPTION_FLAGS[family]} and pass it with --mechmon-detector-calibration, or drop the flag"
+            ) from None
     if design.shewhart:
         try:
-            for family in FAMILY_DIRECTIONS:
+            for family in families:
                 table.shewhart_tail(config.overlap, family, "layer")
         except KeyError as exc:
             raise ValueError(

@@ -18,6 +18,13 @@ Attention (family ``attn``), per layer:
     mechmon/attn/dw_fro_norm/layer_L           ||dW_q||_F over the window
     mechmon/attn/wq_spectral_norm/layer_L      largest singular value of the layer's W_q (now)
     (with per_head_scalars) mechmon/attn/delta2_entropy/layer_L/head_H
+    (with short_window) mechmon/attn/delta2_entropy_short/layer_L   mean over heads of the Delta2
+                                               entropy over the last ``interval`` steps (nats); per
+                                               head ``.../layer_L/head_H`` with per_head_scalars
+    (with short_window) mechmon/attn/delta2_short_persistence/layer_L   mean over heads of
+                                               |<u_k, u_k-1>| |<v_k, v_k-1>|, the leading Delta2
+                                               singular pair of two adjacent short windows, in
+                                               [0, 1] (recorded; not judged by the detector)
 Router (family ``router``), per MoE layer:
     mechmon/router/token_entropy/layer_L       mean routing entropy per token over all experts (nats;
                                                full softmax, or normalised sigmoid scores)
@@ -33,7 +40,8 @@ Router (family ``router``), per MoE layer:
     mechmon/router/dropped_fraction/layer_L    share of token-expert assignments dropped by the
                                                expert capacity (routers with a capacity factor)
     mechmon/router/load_fraction_min/layer_L, mechmon/router/load_fraction_max/layer_L
-Detector (per check; family F in attn_delta2, attn_dw, router_entropy, router_weights):
+Detector (per check; family F in attn_delta2, attn_dw, router_entropy, router_weights,
+          and attn_delta2_short with short_window):
     mechmon/detect/F/residual/layer_L      pooled standardised residual u_L (trimmed mean over heads)
     mechmon/detect/F/cusum/layer_L         the layer's CUSUM statistic S
     mechmon/detect/F/cusum                 the family's pooled CUSUM (families with > 1 layer)

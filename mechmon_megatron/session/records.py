@@ -29,6 +29,7 @@ class Family(str, Enum):
 
     ATTN_DELTA2 = "attn_delta2"
     ATTN_DW = "attn_dw"
+    ATTN_DELTA2_SHORT = "attn_delta2_short"  # only with --mechmon-short-window
     ROUTER_ENTROPY = "router_entropy"
     ROUTER_WEIGHTS = "router_weights"
 

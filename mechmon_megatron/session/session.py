@@ -28,7 +28,7 @@ import torch
 from mechmon_megatron.detect.pooled_cusum import PooledCusumDetector
 from mechmon_megatron.session import collective_guard, names
 from mechmon_megatron.session.alert import Alert, AlertReport
-from mechmon_megatron.session.attention_check import check_full, check_heads
+from mechmon_megatron.session.attention_check import check_full, check_heads, check_heads_short
 from mechmon_megatron.session.config import MechmonConfig
 from mechmon_megatron.session.detector_inputs import stream_observation
 from mechmon_megatron.session.detector_setup import (
@@ -137,6 +137,9 @@ class MonitoringSession:
         budget = snapshot_bytes(config, self.attention_sites)
         device = weights_device(self.attention_sites)
         self.snapshots = SnapshotStore(self._agreed_placement(config, budget, device))
+        # --mechmon-short-window: per site, (check step, leading Delta2 directions of its short
+        # window), for the persistence at the next check (2 hidden-size vectors per head).
+        self._short_directions: dict[int, tuple[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         if self.attention_sites:
             # Many sets at once (delta >> interval) is a memory cost the user should see, not only read.
             level = logging.WARNING if config.overlap > QUIET_SNAPSHOT_SETS else logging.INFO
@@ -383,23 +386,37 @@ class MonitoringSession:
         outputs: list[CheckOutput] = []
         self.guard.counter.take()  # this check's collectives from here on
         snapshot = self.snapshots.pop(iteration)
+        # The short window's snapshot: the one taken one interval ago, still in the ring for its
+        # own later check (not popped here).
+        short = self.snapshots.peek(cfg.short_snapshot_key(iteration)) if cfg.short_window else None
         # No snapshot (e.g. the first check after a resume) is the same on every rank, since all
         # ranks follow one schedule; the reads below are collectives, so all skip them together.
-        sites = self.attention_sites if snapshot is not None else []
+        sites = self.attention_sites if (snapshot is not None or short is not None) else []
         for index, site in enumerate(sites):
             layer = site.layer_number
             full = log.run("read", layer, iteration, site.read_full)  # collectives first, in site order
             if full is FAILED:
                 continue
             heads = log.run("read", layer, iteration, site.read_heads)
-            assert snapshot is not None  # `sites` is empty without a snapshot
-            prev_heads, prev_full = snapshot.get(index, (None, None))
+            prev_heads, prev_full = snapshot.get(index, (None, None)) if snapshot is not None else (None, None)
             if heads is not FAILED and heads is not None and prev_heads is not None:
                 outputs.append(log.run("kernel", layer, iteration, check_heads, layer, prev_heads, heads, cfg.alpha,
                                        cfg.qk_method, cfg.per_head_scalars))
             if full is not None and prev_full is not None:
                 outputs.append(log.run("kernel", layer, iteration, check_full, layer, prev_full, full, cfg.alpha,
                                        cfg.full_matrix_method, cfg.full_matrix_rank, cfg.wq_norm_power_iters))
+            short_heads = short.get(index, (None, None))[0] if short is not None else None
+            if heads is not FAILED and heads is not None and short_heads is not None:
+                # The previous short window is (t - 2 interval, t - interval]: adjacent, not overlapping.
+                kept = self._short_directions.pop(index, None)
+                previous = kept[1] if kept is not None and kept[0] == iteration - cfg.interval else None
+                result = log.run("kernel", layer, iteration, check_heads_short, layer, short_heads, heads,
+                                 cfg.alpha, cfg.qk_method, cfg.per_head_scalars, previous)
+                if result is not FAILED:
+                    output, directions = result
+                    outputs.append(output)
+                    if directions is not None:
+                        self._short_directions[index] = (iteration, directions)
         self.snapshots.release(snapshot)
         for router, floor in zip(self.router_sites, self._router_floors):
             outputs.append(self._router_check(iteration, router, floor))

@@ -161,6 +161,10 @@ class SnapshotStore:
     def put(self, check_step: int, taken: dict[int, tuple[Optional[QKWeights], Optional[FullQK]]]) -> None:
         self._sets[check_step] = taken
 
+    def peek(self, check_step: int) -> Optional[dict[int, tuple[Optional[QKWeights], Optional[FullQK]]]]:
+        """The set for ``check_step`` left in the ring (the short window reads it early)."""
+        return self._sets.get(check_step)
+
     def pop(self, check_step: int) -> Optional[dict[int, tuple[Optional[QKWeights], Optional[FullQK]]]]:
         return self._sets.pop(check_step, None)
 

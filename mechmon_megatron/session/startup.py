@@ -33,9 +33,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from mechmon_megatron.detect.null_model import TAIL_LEVELS, JobShape, per_test_probability, thresholds_for_job
-from mechmon_megatron.detect.pooled_cusum import FAMILY_DIRECTIONS
 from mechmon_megatron.session.config import MechmonConfig
-from mechmon_megatron.session.detector_setup import load_detector_design
+from mechmon_megatron.session.detector_setup import detector_families, load_detector_design
 
 __all__ = [
     "QUIET_SNAPSHOT_SETS",
@@ -172,7 +171,7 @@ def check_detector(config: MechmonConfig, layers: Mapping[str, int]) -> None:
             message = f"--mechmon-false-alarm-rate {rate:g}: no detector thresholds follow ({exc})"
         raise ValueError(message) from None
     floors = {(family, level): table.tail(config.overlap, family, level)[0].log_p_u0
-              for family in FAMILY_DIRECTIONS for level in TAIL_LEVELS}
+              for family in detector_families(config) for level in TAIL_LEVELS}
     (family, level), lowest = min(floors.items(), key=lambda item: item[1])
     if math.log(per_test) >= lowest:
         most = math.exp(lowest) * max(1, shape.num_tests()) * shape.checks_per_million()

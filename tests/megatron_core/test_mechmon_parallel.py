@@ -83,3 +83,42 @@ def test_layout_matches_single_process(layout, runs, references):
     assert not missing, f"{layout} did not write {missing[:5]}"
     bad = {k: (got[k], expected[k]) for k in compared if abs(got[k] - expected[k]) > 1e-4 * max(abs(expected[k]), 1e-6)}
     assert not bad, f"{layout}: {len(bad)} values differ, e.g. {list(bad.items())[:4]}"
+
+
+@pytest.mark.slow  # two more trainer launches (single + torchrun): ~185 s on the loaded 2-core machine
+def test_short_window_under_tp2_matches_single_process(runs):
+    """``--mechmon-short-window`` (issue 19): the short window's Delta2 under TP=2 + SP equals TP=1.
+
+    Interval 1, delta 2: the check at iteration 2 compares with iteration 0 (long window) and
+    with iteration 1 (short window, the snapshot the ring holds for the check at 3)."""
+    import json as _json
+
+    from mechmon_megatron.detect.null_model import load_tail_table
+
+    table = load_tail_table().to_dict()
+    for families in table["tails"].values():
+        families["attn_delta2_short"] = families["attn_delta2"]  # start-up needs the family's tails
+    calibration = runs / "short_tails.json"
+    calibration.write_text(_json.dumps(table))
+    short = ["--mechmon-interval", "1", "--mechmon-delta", "2", "--mechmon-short-window",
+             "--mechmon-detector-calibration", str(calibration)]
+
+    def one(name: str, extra: list[str]) -> dict[str, float]:
+        log_dir = runs / name
+        args = [*MODEL, "--num-query-groups", "2", *extra, "--train-iters", "2", *MECHMON, *short,
+                "--mechmon-log-dir", log_dir]
+        if extra:
+            run_torchrun(SCRIPT, args, nproc=2, timeout_s=200).check()
+        else:
+            run_python(SCRIPT, args, timeout_s=150).check()
+        return scalars_at(log_dir, 2)
+
+    expected = one("short_single", [])
+    got = one("short_tp2", [*TP2, "--sequence-parallel"])
+    compared = [k for k in expected if "delta2_entropy" in k or "delta2_short_persistence" in k]
+    assert any("delta2_entropy_short/" in k and "/head_" in k for k in compared)
+    assert any("delta2_short_persistence/" in k and "/head_" in k for k in compared)
+    assert any(k.startswith("mechmon/attn/delta2_entropy/") for k in compared)
+    bad = {k: (got.get(k), expected[k]) for k in compared
+           if k not in got or abs(got[k] - expected[k]) > 1e-4 * max(abs(expected[k]), 1e-6)}
+    assert not bad, f"{len(bad)} values differ, e.g. {list(bad.items())[:4]}"

@@ -35,7 +35,8 @@ _FIELDS = {f.name: f for f in dataclasses.fields(MechmonConfig) if f.name != "ex
 _INT_KEYS = ("interval", "delta", "exit_code", "drill_at", "router_entropy_bins", "full_matrix_rank",
              "wq_norm_power_iters")
 _FLOAT_KEYS = ("alpha", "false_alarm_rate", "snapshot_max_device_share", "collective_timeout")
-_BOOL_KEYS = ("enabled", "full_matrix_dw", "strict", "per_head_scalars", "detector_shewhart")
+_BOOL_KEYS = ("enabled", "full_matrix_dw", "strict", "per_head_scalars", "detector_shewhart",
+              "short_window")
 _STR_KEYS = ("qk_method", "action", "snapshot_device", "log_dir", "detector_calibration", "full_matrix_method",
              "weights", "alert_webhook")
 _OPTIONAL_STR_KEYS = ("log_dir", "alert_webhook")

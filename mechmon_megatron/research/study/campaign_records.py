@@ -15,7 +15,7 @@ import gzip
 import json
 import math
 import os
-from typing import Any
+from typing import Any, Optional
 
 from mechmon_megatron.research.study.analysis import RunData
 from mechmon_megatron.research.study.campaign_data import CampaignRecord, load_campaign
@@ -27,6 +27,7 @@ _KEPT_PREFIXES = (
     "mechmon/router/token_entropy_floor/",
     "mechmon/router/max_vio/",
     "mechmon/attn/wq_spectral_norm/",
+    "mechmon/attn/delta2_short_persistence/",
     "mechmon/detect/",
     "mechmon/alarm",
 )
@@ -40,11 +41,12 @@ def _json_float(x: float) -> Any:
     return x if math.isfinite(x) else None
 
 
-def export_records(campaign_dir: str, dest: str) -> list[str]:
-    """Write the records of every run under ``campaign_dir``; returns the files written."""
+def export_records(campaign_dir: str, dest: str, runs: Optional[list[CampaignRun]] = None) -> list[str]:
+    """Write the records of every run under ``campaign_dir`` (of ``runs``, default the study's
+    plan); returns the files written."""
     os.makedirs(dest, exist_ok=True)
     paths = []
-    for run_id, record in sorted(load_campaign(campaign_dir).items()):
+    for run_id, record in sorted(load_campaign(campaign_dir, runs).items()):
         d = record.data
         body = {
             "version": RECORD_VERSION,

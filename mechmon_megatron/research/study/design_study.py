@@ -56,7 +56,9 @@ from mechmon_megatron.research.study.detector_report import (
     symptom_sweeps,
 )
 from mechmon_megatron.research.study.pooled_replay import (
-    FAMILIES,
+    CORE_FAMILIES as FAMILIES,
+)
+from mechmon_megatron.research.study.pooled_replay import (
     calibrate_on_runs,
     never_thresholds,
     proxy_shape,

@@ -33,7 +33,9 @@ from mechmon_megatron.research.study.analysis import CollapseRule, DivergenceRul
 from mechmon_megatron.research.study.campaign_data import CampaignRecord, load_campaign
 from mechmon_megatron.research.study.long_plan import long_preset
 from mechmon_megatron.research.study.pooled_replay import (
-    FAMILIES,
+    CORE_FAMILIES as FAMILIES,
+)
+from mechmon_megatron.research.study.pooled_replay import (
     calibrate_on_runs,
     replay_pooled,
     subsample,

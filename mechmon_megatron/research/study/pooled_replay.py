@@ -17,6 +17,7 @@ from typing import Any, Optional
 from mechmon_megatron.detect.null_model import JobShape, NullTail, TailTable, fit_null_tail, thresholds_for_job
 from mechmon_megatron.detect.pooled_cusum import (
     FAMILY_DIRECTIONS,
+    OPTIONAL_FAMILIES,
     FamilyThresholds,
     PooledAlarm,
     PooledCusumDetector,
@@ -29,6 +30,9 @@ from mechmon_megatron.session.detector_inputs import observations_from_scalars
 
 Checks = Sequence[tuple[int, Mapping[str, float]]]
 FAMILIES: tuple[str, ...] = tuple(FAMILY_DIRECTIONS)
+CORE_FAMILIES: tuple[str, ...] = tuple(f for f in FAMILY_DIRECTIONS if f not in OPTIONAL_FAMILIES)
+"""The families every recorded run has (the tables of the detector study); ``FAMILIES`` adds the
+optional ones (``attn_delta2_short``), which a replay judges when a record holds them."""
 _NEVER = Thresholds(warning=1e12, alarm=1e12)
 
 

@@ -1,0 +1,108 @@
+"""The run list of the issue-19 short-window campaign: the detector study's runs, recorded with
+``--mechmon-short-window`` (Delta2 over the last ``interval`` steps beside the ``delta``-step window).
+
+Same model, schedule, seeds and fault injector as :mod:`~mechmon_megatron.research.study.long_plan`,
+trained under the CPU pin of :mod:`~mechmon_megatron.research.reproducible_cpu` (the study runner
+applies it). The committed detector-study records were trained before that pin on another CPU, so
+these runs are a new realisation of the same runs (measured: the loss differs from step 1 at
+~1e-7 relative), and both designs are compared on these runs only. Launch order (one job at a
+time on the shared machine):
+
+1. calibration: ``healthy-cosine-seed1``, ``-seed2`` (10,000 steps, checkpoints at the fork points
+   400 and 1,900);
+2. ``healthy-prefix-seed3``: the seed-3 healthy run up to 1,900 steps (only a parent: the fault
+   forks need nothing later);
+3. FA faults seeds 1-3 at 32 and 16 ulps, onset 500 (forks at 400), then onset 2,000 (forks at 1,900);
+4. held out: ``healthy-prefix-seed{4,5,6}`` and their FA faults (onset 500, then 2,000).
+
+The runs' online detector only records (``--mechmon-action log``); every decision of the study is
+replayed offline from the recorded scalars with tails fitted on the calibration runs. Its start-up
+needs a calibration with an ``attn_delta2_short`` section, which no measured table has yet: the
+campaign writes ``OUT/provisional_null_tails.json`` (:func:`write_provisional_calibration`), the
+shipped table with the short family's tails copied from ``attn_delta2`` at overlap 1. It is
+used by nothing but these recording runs. Pure Python: no torch import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+from mechmon_megatron.detect.null_model import load_tail_table
+from mechmon_megatron.research.study.long_plan import (
+    FA_CAP_AFTER_ONSET,
+    FA_ONSETS,
+    FAULT_SAVE_INTERVAL,
+    HEALTHY_ITERS,
+    STOP_AFTER_DIVERGENCE,
+    CampaignRun,
+    _flags,
+    long_preset,
+)
+from mechmon_megatron.research.study.scenarios import Preset
+
+SHORT_FLAG = "--mechmon-short-window"
+PROVISIONAL_CALIBRATION = "provisional_null_tails.json"
+CALIBRATION_SEEDS = (1, 2)
+CHOICE_SEEDS = (1, 2, 3)
+"""Fault seeds the design is chosen on."""
+HELD_OUT_SEEDS = (4, 5, 6)
+"""Fault seeds reported unchanged after the design is frozen (pre-registered, docs/RESULTS.md)."""
+STRENGTHS = (32.0, 16.0)
+
+
+def write_provisional_calibration(out_dir: str) -> str:
+    """``OUT/provisional_null_tails.json``: the shipped tails plus ``attn_delta2_short`` copied from
+    ``attn_delta2`` at overlap 1 (the non-overlapping window's tail) under every overlap. For the
+    recording runs' start-up only; returns its path."""
+    table = load_tail_table()
+    data = table.to_dict()
+    source = data["tails"]["1"]["attn_delta2"]
+    for overlap in data["tails"]:
+        data["tails"][overlap]["attn_delta2_short"] = source
+    data["source"] = ("PROVISIONAL, recording runs only (--mechmon-action log): the shipped table with "
+                      "attn_delta2_short copied from attn_delta2 at overlap 1; not a measurement")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, PROVISIONAL_CALIBRATION)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(path + ".tmp", path)
+    return os.path.abspath(path)
+
+
+def plan_short_window_campaign(calibration_path: str, preset: Optional[Preset] = None) -> list[CampaignRun]:
+    """Every run, in launch order (see the module docstring)."""
+    preset = preset or long_preset()
+    delta = preset.mechmon_delta
+    fork_points = tuple(onset - delta for onset in FA_ONSETS)
+    short = (SHORT_FLAG, "--mechmon-detector-calibration", calibration_path)
+
+    def healthy(seed: int, iters: int, prefix: bool) -> CampaignRun:
+        name = f"healthy-prefix-seed{seed}" if prefix else f"healthy-cosine-seed{seed}"
+        return CampaignRun(run_id=name, kind="healthy", scenario="clean", seed=seed, train_iters=iters,
+                           flags=_flags(preset, "clean", seed, iters, short), save_at=fork_points)
+
+    def fault(parent: CampaignRun, strength: float, onset: int) -> CampaignRun:
+        cap = onset + FA_CAP_AFTER_ONSET[strength]
+        extra = ("--fa-fault-strength", repr(strength), "--fa-fault-onset", str(onset), "--fa-fault-mode",
+                 "all_rows", *short)
+        return CampaignRun(
+            run_id=f"fa-s{int(strength)}-on{onset}-seed{parent.seed}", kind="fault", scenario="fa",
+            seed=parent.seed, train_iters=cap, flags=_flags(preset, "clean", parent.seed, cap, extra),
+            fault_onset=onset, fault_family="attn", fa_strength=strength, parent=parent.run_id,
+            fork_at=onset - delta, stop_after_divergence=STOP_AFTER_DIVERGENCE, save_interval=FAULT_SAVE_INTERVAL,
+        )
+
+    prefix_iters = max(fork_points)
+    parents = {seed: healthy(seed, HEALTHY_ITERS, False) for seed in CALIBRATION_SEEDS}
+    for seed in (3, *HELD_OUT_SEEDS):
+        parents[seed] = healthy(seed, prefix_iters, True)
+    runs = [parents[1], parents[2], parents[3]]
+    for seeds in (CHOICE_SEEDS, HELD_OUT_SEEDS):
+        if seeds == HELD_OUT_SEEDS:
+            runs += [parents[s] for s in seeds]
+        for onset in FA_ONSETS:
+            runs += [fault(parents[s], strength, onset) for s in seeds for strength in STRENGTHS]
+    return runs
+
