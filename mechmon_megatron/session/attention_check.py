@@ -137,7 +137,7 @@ def check_heads_short(
         value = entropy[i] if valid[i] else float("nan")
         head = heads[i]
         streams.append(Stream(name=names.attn("delta2_entropy_short", layer_number, head), family=ATTN_DELTA2_SHORT,
-                              value=value, layer_number=layer_number, head=head))
+                              value=value, layer_number=layer_number, member=f"head_{head}", head=head))
         if per_head_scalars:
             scalars[names.attn("delta2_entropy_short", layer_number, head)] = Partial("value", value)
     if persistence and moved:
