@@ -11,7 +11,7 @@ A few minutes on 2 cores. See ``mechmon_megatron.research.study.design_study``.
 on the short-window campaign (``mechmon_megatron.research.study.short_window_study``), from its
 exported records or straight from its campaign directory (runs still going included):
 
-    python tools/detector_design_study.py --short-window --records /work/detector_runs/short_window
+    python tools/detector_design_study.py --short-window --records ../detector_runs/short_window
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@
     python tools/detector_study.py analyze --out runs/detector_study         # tables, plots, JSON
     python tools/detector_study.py export --out runs/detector_study --to docs/data/detector_study
     python tools/detector_study.py analyze --out /tmp/ds --records docs/data/detector_study  # no training
-    python tools/detector_study.py run --plan short-window --out /work/detector_runs/short_window --jobs 1
-    python tools/detector_study.py export --plan short-window --out /work/detector_runs/short_window \
+    python tools/detector_study.py run --plan short-window --out ../detector_runs/short_window --jobs 1
+    python tools/detector_study.py export --plan short-window --out ../detector_runs/short_window \
         --to docs/data/short_window_study
 
 ``run`` trains (or resumes) every run of ``mechmon_megatron.research.study.long_plan``; launch it again

@@ -34,9 +34,11 @@ def rows(tmp_path_factory) -> dict[str, list[dict]]:
 def test_a_collective_that_raises_on_one_rank_costs_the_peer_one_timeout(rows):
     rank0, rank1 = rows["raise"]
     assert "injected transport error at the call" in rank1["error"] and rank1["seconds"] < TIMEOUT_S
-    # Rank 0 was left inside the all-gather: it gave up after the timeout (not the host's 60 s).
+    # Rank 0 was left inside the all-gather: it gave up within the timeout (not the host's 60 s).
+    # It can end sooner: on an idle machine gloo sees the peer's pair close (0.6 s measured), under
+    # load it waits out the 2 s; both are bounded, which is the property.
     assert "failed or timed out (--mechmon-collective-timeout 2 s)" in rank0["error"]
-    assert TIMEOUT_S * 0.9 <= rank0["seconds"] < TIMEOUT_S + 10, rank0
+    assert rank0["seconds"] < TIMEOUT_S + 10, rank0
     for row in (rank0, rank1):
         assert row["later"] == "skipped" and row["up"] is False and row["down"]
 
