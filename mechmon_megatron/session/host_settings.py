@@ -23,8 +23,6 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import torch
-
 __all__ = ["ROUTER_GRAPH_SCOPES", "graphed_router", "in_backward"]
 
 ROUTER_GRAPH_SCOPES = frozenset({"full", "full_iteration", "moe", "moe_router"})
@@ -34,6 +32,8 @@ ROUTER_GRAPH_SCOPES = frozenset({"full", "full_iteration", "moe", "moe_router"})
 def in_backward() -> bool:
     """True while the autograd engine runs a backward pass on this thread (where activation
     recompute re-runs forwards); False in the training forward. No device sync."""
+    import torch  # here, not at module level: the flag parsing (and the patch tool) must not need torch
+
     return torch._C._current_graph_task_id() != -1
 
 

@@ -143,7 +143,7 @@ def _logit_thresholds(tails: tuple[NullTail, NullTail], tests: int, every: int, 
     return FamilyThresholds(layer=t, family=t)
 
 
-def _earliest(firsts: Mapping[str, Optional[int]], families: Sequence[str]) -> tuple[Optional[int], Optional[str]]:
+def earliest_alarm(firsts: Mapping[str, Optional[int]], families: Sequence[str]) -> tuple[Optional[int], Optional[str]]:
     best: tuple[Optional[int], Optional[str]] = (None, None)
     for f in families:
         s = firsts.get(f)
@@ -205,8 +205,8 @@ def run_study(records: Mapping[str, CampaignRecord], rate: float = DEFAULT_FALSE
                     **events(record),
                     "max_logit_rule": rule_first.get(run_id),
                 })
-                first, family = _earliest(replay.first_alarm, FAMILIES)
-                attn, _ = _earliest(replay.first_alarm, ATTN)
+                first, family = earliest_alarm(replay.first_alarm, FAMILIES)
+                attn, _ = earliest_alarm(replay.first_alarm, ATTN)
                 kinds = {(a.step, a.family): a.kind for a in replay.alarms}
                 entry[design] = {
                     "first_alarm": first,

@@ -26,6 +26,7 @@ from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE, TailTab
 from mechmon_megatron.detect.pooled_cusum import default_sequential_config
 from mechmon_megatron.research.study import rule_scores
 from mechmon_megatron.research.study.campaign_data import CampaignRecord
+from mechmon_megatron.research.study.design_study import earliest_alarm
 from mechmon_megatron.research.study.detector_report import (
     CALIBRATION_RUNS,
     DELTA,
@@ -114,15 +115,6 @@ def logit_rule_first(record: CampaignRecord, threshold: Optional[float]) -> Opti
     return starts[0] if starts else None
 
 
-def _earliest(firsts: Mapping[str, Optional[int]], families: Sequence[str]) -> tuple[Optional[int], Optional[str]]:
-    best: tuple[Optional[int], Optional[str]] = (None, None)
-    for f in families:
-        s = firsts.get(f)
-        if s is not None and (best[0] is None or s < best[0]):
-            best = (s, f)
-    return best
-
-
 def run_short_window_study(
     records: Mapping[str, CampaignRecord],
     rate: float = DEFAULT_FALSE_ALARM_RATE,
@@ -158,8 +150,8 @@ def run_short_window_study(
                 "state": record.status.get("state"), **events(record),
                 "max_logit_rule": None if record.healthy else logit_rule_first(record, logit_threshold),
             })
-            first, family = _earliest(replay.first_alarm, families)
-            attn, _ = _earliest(replay.first_alarm, [f for f in families if f.startswith("attn_")])
+            first, family = earliest_alarm(replay.first_alarm, families)
+            attn, _ = earliest_alarm(replay.first_alarm, [f for f in families if f.startswith("attn_")])
             entry[design] = {
                 "first_alarm": first, "first_family": family,
                 "by_family": {f: replay.first_alarm.get(f) for f in families},
