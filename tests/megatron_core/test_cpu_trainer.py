@@ -122,6 +122,7 @@ def test_resume_matches_uninterrupted(tp2_sp, runs_dir):
     assert_close(resumed[0]["lr"], tp2_sp[2]["lr"], 1e-9)
 
 
+@pytest.mark.slow  # fast leg budget (tests/README.md): runs in `make test-slow` and in CI
 def test_iterations_to_skip_consume_the_batch_only(dense_single, runs_dir):
     """Megatron-LM's --iterations-to-skip: no step, no LR-scheduler step, no row; the data of the
     later iterations is the uninterrupted run's (so iteration 5 without 3 and 4 differs from it)."""

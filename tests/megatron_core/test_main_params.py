@@ -273,6 +273,7 @@ def test_distributed_optimizer_gathers_qk_rows_to_the_using_replica_only(distopt
         assert moved <= reads * a["qk_numel"] < reads * 2 * a["numel"], (a, b)
 
 
+@pytest.mark.slow  # fast leg budget (tests/README.md): runs in `make test-slow` and in CI
 @pytest.mark.distributed
 def test_fp32_training_reads_the_model_weight(tmp_path):
     (rows,) = _run(tmp_path, "fp32", [], nproc=1)

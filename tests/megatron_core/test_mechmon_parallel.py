@@ -64,8 +64,12 @@ def references(runs) -> dict[str, dict[str, float]]:
     return {groups: run_layout(runs / f"g{groups}", "single", [], groups) for groups in ("2", "1")}
 
 
-# tp2_sp_groups_lt_tp is slow (fast leg budget): tp2_sp_groups_ge_tp covers TP + SP in the fast leg.
-@pytest.mark.parametrize("layout", [pytest.param(name, marks=[pytest.mark.slow] if name.endswith("_lt_tp") else [])
+# tp2_sp_groups_lt_tp and ep2_dp2 are slow (fast leg budget): tp2_sp_groups_ge_tp covers TP + SP and
+# pp2 covers PP in the fast leg; EP parity stays fast on DeepSpeed (test_ds_parallel ep2_zero2).
+SLOW_LAYOUTS = ("tp2_sp_groups_lt_tp", "ep2_dp2")
+
+
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW_LAYOUTS else [])
                                     for name in sorted(LAYOUTS)])
 def test_layout_matches_single_process(layout, runs, references):
     extra = list(LAYOUTS[layout])

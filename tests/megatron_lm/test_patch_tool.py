@@ -255,6 +255,7 @@ def test_parse_rejects_malformed_patches():
         mp.parse_patch("--- a/x.py\n+++ b/x.py\n@@ -1,3 +1,4 @@\n a\n+b\n")
 
 
+@pytest.mark.slow  # fast leg budget (tests/README.md): runs in `make test-slow` and in CI
 def test_cli_exit_codes(tmp_path):
     root = make_checkout(tmp_path, "core_v0.18")
     tool = [sys.executable, os.path.join(REPO, "tools", "mechmon_patch.py")]

@@ -33,13 +33,12 @@ def reference(healthy, tmp_path_factory):
     return S.cached_values(out)
 
 
-# pp2 is slow (fast leg budget): tp2 runs in the fast leg.
-@pytest.fixture(scope="module", params=[pytest.param(name, marks=[pytest.mark.slow] if name == "pp2" else [])
-                                        for name in sorted(LAYOUTS)])
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
 def resaved(request, runs, healthy):
     return request.param, S.resave(runs, healthy, ITERATIONS, LAYOUTS[request.param], request.param)
 
 
+@pytest.mark.slow  # fast leg budget (tests/README.md): runs in `make test-slow` and in CI
 def test_resaved_layouts_read_the_same_values(resaved, reference, tmp_path):
     """The re-saved weights are the source's bit for bit, and the readers reassemble whole layers
     (DCP global tensors; legacy TP shards concatenated, PP stages offset) before the same float64
