@@ -49,7 +49,7 @@ def main(argv=None) -> int:
         return 0
     if args.cmd == "record":
         for text in args.cells.split(","):
-            print(write_record(summarize(args.out, parse_cell(text.strip())), args.records))
+            print(write_record(summarize(args.out, parse_cell(text.strip())), args.records, args.out))
         return 0
     try:
         cells = [parse_cell(c.strip()) for c in args.cells.split(",") if c.strip()]
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     for cell in cells:
         print(f"[recovery-study] {cell.cell_id}: {', '.join(operators)}", flush=True)
         record = run_cell(args.out, cell, operators, args.records)
-        print(f"[recovery-study] wrote {write_record(record, args.records)}", flush=True)
+        print(f"[recovery-study] wrote {write_record(record, args.records, args.out)}", flush=True)
     print(markdown_table(load_records(args.records)))
     return 0
 

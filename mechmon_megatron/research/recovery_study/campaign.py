@@ -166,7 +166,7 @@ def run_cell(out: str, cell: Cell, operators: tuple[str, ...] = OPERATORS,
     for op in operators:
         run_operator(out, cell, op)
         if records:
-            write_record(summarize(out, cell), records)
+            write_record(summarize(out, cell), records, out)
     return summarize(out, cell)
 
 
@@ -288,10 +288,14 @@ def summarize(out: str, cell: Cell) -> dict[str, Any]:
     }
 
 
-def write_record(record: dict[str, Any], dest: str) -> str:
+def write_record(record: dict[str, Any], dest: str, out: Optional[str] = None) -> str:
+    """Write one cell's record; with ``out`` (the campaign folder), paths under it are written as
+    ``<out>/...`` so the committed records name no machine's folders."""
     os.makedirs(dest, exist_ok=True)
     path = os.path.join(dest, f"{record['cell']}.json")
+    text = json.dumps(record, indent=1, sort_keys=True)
+    if out:
+        text = text.replace(os.path.abspath(out).rstrip(os.sep) + os.sep, "<out>/")
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(record, f, indent=1, sort_keys=True)
-        f.write("\n")
+        f.write(text + "\n")
     return path
