@@ -13,7 +13,13 @@ time on the shared machine):
 2. ``healthy-prefix-seed3``: the seed-3 healthy run up to 1,900 steps (only a parent: the fault
    forks need nothing later);
 3. FA faults seeds 1-3 at 32 and 16 ulps, onset 500 (forks at 400), then onset 2,000 (forks at 1,900);
-4. held out: ``healthy-prefix-seed{4,5,6}`` and their FA faults (onset 500, then 2,000).
+4. the learning-rate faults of the detector study, seeds 1-3 (router-only 15x and whole-model 4x
+   LR from step 1, 1,500 steps): the attribution targets (a router alarm, never the precision
+   mechanism) under the short window. Reported, not part of the choice (added in round 5, before
+   any of them ran);
+5. held out: ``healthy-prefix-seed{4,5,6}`` and their FA faults (onset 500, then 2,000);
+6. the second fault shape, reported beside the grid: the 32-ulp fault confined to one layer
+   (``--fa-fault-layers 2``, onset 500, seeds 1-3, forks of the calibration / seed-3 parents).
 
 The runs' online detector only records (``--mechmon-action log``); every decision of the study is
 replayed offline from the recorded scalars with tails fitted on the calibration runs. Its start-up
@@ -35,6 +41,7 @@ from mechmon_megatron.research.study.long_plan import (
     FA_ONSETS,
     FAULT_SAVE_INTERVAL,
     HEALTHY_ITERS,
+    LR_FAULT_ITERS,
     STOP_AFTER_DIVERGENCE,
     CampaignRun,
     _flags,
@@ -50,6 +57,11 @@ CHOICE_SEEDS = (1, 2, 3)
 HELD_OUT_SEEDS = (4, 5, 6)
 """Fault seeds reported unchanged after the design is frozen (pre-registered, docs/RESULTS.md)."""
 STRENGTHS = (32.0, 16.0)
+LR_SCENARIOS = ("moe-router-lr", "moe-lr")
+"""Router-only 15x and whole-model 4x learning rate, as in the detector study (``long_plan``)."""
+CONFINED_LAYERS = (2,)
+"""The second fault shape: the fault acts in these global layer numbers only (``--fa-fault-layers``)."""
+CONFINED_STRENGTH, CONFINED_ONSET = 32.0, 500
 
 
 def write_provisional_calibration(out_dir: str) -> str:
@@ -83,12 +95,14 @@ def plan_short_window_campaign(calibration_path: str, preset: Optional[Preset] =
         return CampaignRun(run_id=name, kind="healthy", scenario="clean", seed=seed, train_iters=iters,
                            flags=_flags(preset, "clean", seed, iters, short), save_at=fork_points)
 
-    def fault(parent: CampaignRun, strength: float, onset: int) -> CampaignRun:
+    def fault(parent: CampaignRun, strength: float, onset: int, layers: tuple[int, ...] = ()) -> CampaignRun:
         cap = onset + FA_CAP_AFTER_ONSET[strength]
+        confined = ("--fa-fault-layers", ",".join(str(n) for n in layers)) if layers else ()
         extra = ("--fa-fault-strength", repr(strength), "--fa-fault-onset", str(onset), "--fa-fault-mode",
-                 "all_rows", *short)
+                 "all_rows", *confined, *short)
+        shape = "-layers" + "-".join(str(n) for n in layers) if layers else ""
         return CampaignRun(
-            run_id=f"fa-s{int(strength)}-on{onset}-seed{parent.seed}", kind="fault", scenario="fa",
+            run_id=f"fa-s{int(strength)}-on{onset}{shape}-seed{parent.seed}", kind="fault", scenario="fa",
             seed=parent.seed, train_iters=cap, flags=_flags(preset, "clean", parent.seed, cap, extra),
             fault_onset=onset, fault_family="attn", fa_strength=strength, parent=parent.run_id,
             fork_at=onset - delta, stop_after_divergence=STOP_AFTER_DIVERGENCE, save_interval=FAULT_SAVE_INTERVAL,
@@ -98,11 +112,20 @@ def plan_short_window_campaign(calibration_path: str, preset: Optional[Preset] =
     parents = {seed: healthy(seed, HEALTHY_ITERS, False) for seed in CALIBRATION_SEEDS}
     for seed in (3, *HELD_OUT_SEEDS):
         parents[seed] = healthy(seed, prefix_iters, True)
+    def lr_fault(scenario: str, seed: int) -> CampaignRun:
+        return CampaignRun(
+            run_id=f"{scenario}-seed{seed}", kind="fault", scenario=scenario, seed=seed, train_iters=LR_FAULT_ITERS,
+            flags=_flags(preset, scenario, seed, LR_FAULT_ITERS, short), fault_onset=1, fault_family="router",
+            save_interval=FAULT_SAVE_INTERVAL,
+        )
+
     runs = [parents[1], parents[2], parents[3]]
-    for seeds in (CHOICE_SEEDS, HELD_OUT_SEEDS):
-        if seeds == HELD_OUT_SEEDS:
-            runs += [parents[s] for s in seeds]
-        for onset in FA_ONSETS:
-            runs += [fault(parents[s], strength, onset) for s in seeds for strength in STRENGTHS]
+    for onset in FA_ONSETS:
+        runs += [fault(parents[s], strength, onset) for s in CHOICE_SEEDS for strength in STRENGTHS]
+    runs += [lr_fault(scenario, s) for s in CHOICE_SEEDS for scenario in LR_SCENARIOS]
+    runs += [parents[s] for s in HELD_OUT_SEEDS]
+    for onset in FA_ONSETS:
+        runs += [fault(parents[s], strength, onset) for s in HELD_OUT_SEEDS for strength in STRENGTHS]
+    runs += [fault(parents[s], CONFINED_STRENGTH, CONFINED_ONSET, CONFINED_LAYERS) for s in CHOICE_SEEDS]
     return runs
 
