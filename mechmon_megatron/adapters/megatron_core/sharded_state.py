@@ -51,12 +51,12 @@ def state_shard(state: Mapping[str, Any], rank: Optional[int] = None, world: Opt
 def saved_world(checkpoint_dir: str) -> Optional[int]:
     """The world size the checkpoint's ``mechmon`` entry was saved with; None when it has none.
 
-    Reads the checkpoint's metadata only (``dist_checkpointing.load_sharded_metadata``).
+    Reads the checkpoint's metadata only (``dist_checkpointing.serialization.load_sharded_metadata``).
     """
-    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
-    for item in dist_checkpointing.load_sharded_metadata(checkpoint_dir).values():
+    for item in load_sharded_metadata(checkpoint_dir).values():
         if isinstance(item, ShardedObject) and item.key == STATE_KEY:
             return int(item.global_shape[0])
     return None
