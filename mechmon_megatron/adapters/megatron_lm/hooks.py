@@ -31,8 +31,14 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from mechmon_megatron.adapters.megatron_core import McoreReads, build_mcore_session, force_param_sync
-from mechmon_megatron.adapters.megatron_core.sharded_state import add_load_template, loaded_state, state_shard
+from mechmon_megatron.adapters.megatron_core import (
+    McoreReads,
+    add_load_template,
+    build_mcore_session,
+    force_param_sync,
+    loaded_state,
+    state_shard,
+)
 from mechmon_megatron.cli.args import config_from_args
 from mechmon_megatron.session.collective_guard import CollectiveFailure, CollectivesOff, guard
 from mechmon_megatron.session.config import MechmonConfig

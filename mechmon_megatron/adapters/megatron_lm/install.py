@@ -210,7 +210,11 @@ def install(training_module: Any = None, checkpointing_module: Any = None) -> Me
     Megatron-LM run on CPU before this is called; the product itself never does.)
     """
     training = training_module or importlib.import_module(TRAINING_MODULE)
-    checkpointing = checkpointing_module or importlib.import_module(CHECKPOINTING_MODULE)
+    try:
+        checkpointing = checkpointing_module or importlib.import_module(CHECKPOINTING_MODULE)
+    except ImportError as exc:
+        raise RuntimeError(f"mechmon: cannot import {CHECKPOINTING_MODULE} ({exc}); this Megatron-LM release is not "
+                           "supported by mechmon_megatron.megatron_lm.install()") from exc
     installed = getattr(training, "_mechmon_hooks", None)
     if installed is not None:
         return installed
