@@ -198,7 +198,8 @@ def main(out: str) -> None:
     saved = json_safe(hooks.session.state_dict())
     directory = megatron_save(checkpointing, args, chunks, optimizer, 3, dist_checkpointing)
     hooks.after_save(3)
-    record["mlm"] = {"saved": saved, "dir": directory, "json_files": os.path.isdir(os.path.join(directory, "mechmon_state"))}
+    record["mlm"] = {"saved": saved, "dir": directory,
+                     "json_files": os.path.isdir(os.path.join(directory, "mechmon_state"))}
     hooks.close()
     unwrap_training_module(None, checkpointing)
 

@@ -301,7 +301,8 @@ def test_unsupported_release_names_the_missing_hooks():
 def test_unsupported_release_names_the_missing_checkpointing_functions():
     old = types.ModuleType("old_checkpointing")
     old.generate_state_dict = lambda *a, **k: {}
-    with pytest.raises(RuntimeError, match=r"old_checkpointing has no \['_load_global_dist_base_checkpoint'\].*core_v0.16"):
+    missing = r"old_checkpointing has no \['_load_global_dist_base_checkpoint'\].*core_v0.16"
+    with pytest.raises(RuntimeError, match=missing):
         mlm.wrap_checkpointing_module(old, mlm.MegatronLMHooks(lambda: None))
     assert not hasattr(old.generate_state_dict, "_mechmon_wrapped")  # nothing wrapped
 
