@@ -5,18 +5,18 @@ The session is a ``Stateful`` object (``torch.distributed.checkpoint.stateful.St
 one key :data:`STATE_KEY` (``"mechmon"``) of a container its own checkpointer writes, one
 container per rank where the host keeps per-rank state:
 
-==============================  ===========================================================  ==============
-host                            container (its own checkpointer writes it)                   per rank
-==============================  ===========================================================  ==============
-example trainer (gpt_trainer)   its ``dist_checkpointing.save`` state dict, a ShardedObject   yes (one shard
-                                per rank: global shape ``(world,)``, offset ``(rank,)``      per rank)
-Megatron-LM, ``torch_dist``     Megatron's distributed checkpoint (``generate_state_dict``),  yes (one shard
-                                the same ``ShardedObject``                                    per rank)
-Megatron-LM, ``torch``          ``iter_XXXXXXX/mechmon_state/rank_R.json`` (Megatron's        yes (a file
-                                legacy format is written by data-parallel rank 0 only)        per rank)
-DeepSpeed                       the checkpoint's ``client_state``: :func:`per_rank` of every  yes (gathered
-                                rank's state, gathered at the save                            to the savers)
-==============================  ===========================================================  ==============
+=============================  =============================================================  ==============
+host                           container (its own checkpointer writes it)                     per rank
+=============================  =============================================================  ==============
+example trainer (gpt_trainer)  its ``dist_checkpointing.save`` state dict: a ShardedObject    yes: one shard
+                               per rank, global shape ``(world,)``, offset ``(rank,)``        per rank
+Megatron-LM, ``torch_dist``    Megatron's distributed checkpoint (``generate_state_dict``),   yes: one shard
+                               the same ShardedObject                                         per rank
+Megatron-LM, ``torch``         ``iter_XXXXXXX/mechmon_state/rank_R.json`` (Megatron's legacy  yes: a file
+                               format is written by data-parallel rank 0 only)                per rank
+DeepSpeed                      the checkpoint's ``client_state``: :func:`per_rank` of every   yes: gathered
+                               rank's state, gathered at the save                             to the savers
+=============================  =============================================================  ==============
 
 The ShardedObject is built and read back by
 ``mechmon_megatron.adapters.megatron_core.sharded_state``. The state itself is per rank: the writer

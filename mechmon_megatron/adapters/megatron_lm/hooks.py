@@ -49,7 +49,8 @@ from mechmon_megatron.session.writers import WandbScalarWriter
 logger = logging.getLogger(__name__)
 
 STATE_DIR = "mechmon_state"
-"""Per-rank state files under ``iter_XXXXXXX/``: ``rank_RRRRR.json``."""
+"""Per-rank state files under ``iter_XXXXXXX/``: ``rank_RRRRR.json`` (``--ckpt-format torch``; beside a
+torch_dist checkpoint only from an older mechmon)."""
 STATE_FILENAME = "mechmon_state.json"
 """The older single file of the writer rank's state (mechmon <= 0.3): still read on resume."""
 DIST_FORMAT = "torch_dist"
