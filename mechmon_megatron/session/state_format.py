@@ -5,20 +5,29 @@ The session is a ``Stateful`` object (``torch.distributed.checkpoint.stateful.St
 one key :data:`STATE_KEY` (``"mechmon"``) of a container its own checkpointer writes, one
 container per rank where the host keeps per-rank state:
 
-============================  =====================================================  ==========
-host                          container                                              per rank
-============================  =====================================================  ==========
-DeepSpeed                     the checkpoint's ``client_state``                      no (rank 0)
-example trainer (gpt_trainer) its per-rank extra state ``mechmon_extra/rank_R.pt``   yes
-Megatron-LM adapter           ``iter_XXXXXXX/mechmon_state/rank_R.json``             yes
-============================  =====================================================  ==========
+=============================  =============================================================  ==============
+host                           container (its own checkpointer writes it)                     per rank
+=============================  =============================================================  ==============
+example trainer (gpt_trainer)  its ``dist_checkpointing.save`` state dict: a ShardedObject    yes: one shard
+                               per rank, global shape ``(world,)``, offset ``(rank,)``        per rank
+Megatron-LM, ``torch_dist``    Megatron's distributed checkpoint (``generate_state_dict``),   yes: one shard
+                               the same ShardedObject                                         per rank
+Megatron-LM, ``torch``         ``iter_XXXXXXX/mechmon_state/rank_R.json`` (Megatron's legacy  yes: a file
+                               format is written by data-parallel rank 0 only)                per rank
+DeepSpeed                      the checkpoint's ``client_state``: :func:`per_rank` of every   yes: gathered
+                               rank's state, gathered at the save                             to the savers
+=============================  =============================================================  ==============
 
-The state itself is per rank: the writer rank's holds the detector, every rank's its own error
-count (``mechmon/errors`` sums them) and the checkpoint list.
+The ShardedObject is built and read back by
+``mechmon_megatron.adapters.megatron_core.sharded_state``. The state itself is per rank: the writer
+rank's holds the detector, every rank's its own error count (``mechmon/errors`` sums them) and the
+checkpoint list; each rank restores its own.
 
-Older formats still load, each with one notice per process: the example trainer's
-``extra["callbacks"]["mechmon"]`` (mechmon <= 0.3) and the Megatron-LM adapter's
-``iter_XXXXXXX/mechmon_state.json`` (the writer rank's state only, read by every rank).
+Older formats still load, each with one notice per process (:data:`LEGACY_FORMATS`): the example
+trainer's ``extra["callbacks"]["mechmon"]`` (mechmon <= 0.3) and its per-rank extra file's
+``mechmon`` key; the Megatron-LM adapter's ``iter_XXXXXXX/mechmon_state.json`` (the writer rank's
+state only, read by every rank) and its per-rank JSON files beside a torch_dist checkpoint;
+DeepSpeed's single ``client_state["mechmon"]`` of the saving rank (every rank loads it).
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any, Optional
 
-__all__ = ["LEGACY_FORMATS", "STATE_KEY", "legacy_notice", "state_of"]
+__all__ = ["LEGACY_FORMATS", "PER_RANK_FORMAT", "STATE_KEY", "legacy_notice", "own_state", "per_rank", "state_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +46,10 @@ STATE_KEY = "mechmon"
 LEGACY_FORMATS = {
     "trainer-callbacks": "the example trainer's extra state under callbacks/mechmon (mechmon <= 0.3)",
     "megatron-lm-json": "the Megatron-LM adapter's mechmon_state.json of the writer rank (mechmon <= 0.3)",
+    "trainer-extra-file": "the example trainer's per-rank mechmon_extra/rank_R.pt under mechmon (before issue 21)",
+    "megatron-lm-rank-json": "the Megatron-LM adapter's per-rank mechmon_state/rank_R.json beside a torch_dist "
+                             "checkpoint (before issue 21)",
+    "deepspeed-single": "DeepSpeed client_state mechmon of the saving rank only (before issue 21)",
 }
 """Old formats that still load (key -> description)."""
 
@@ -70,3 +83,32 @@ def state_of(container: Optional[Mapping[str, Any]], where: str) -> Optional[dic
     if state is not None and not isinstance(state, Mapping):
         raise ValueError(f"{where}: the {STATE_KEY!r} entry is a {type(state).__name__}, not mechmon's state dict")
     return dict(state) if state is not None else None
+
+
+PER_RANK_FORMAT = "mechmon-per-rank-1"
+"""``format`` of a container entry holding every rank's state (``{"format", "ranks": {rank: state}}``),
+for hosts whose checkpointer saves one rank's container for all (DeepSpeed's ``client_state``)."""
+
+
+def per_rank(states: Mapping[int, Mapping[str, Any]]) -> dict:
+    """Every rank's state in one entry: ``{"format": PER_RANK_FORMAT, "ranks": {rank: state}}``."""
+    return {"format": PER_RANK_FORMAT, "ranks": {int(rank): dict(state) for rank, state in states.items()}}
+
+
+def own_state(entry: Optional[Mapping[str, Any]], rank: int, where: str) -> Optional[dict]:
+    """This rank's state from an entry :func:`state_of` returned: its own in a :func:`per_rank`
+    entry (None when that rank is not in it: the job grew), or the older single state of the
+    saving rank, which every rank then loads (one notice)."""
+    if entry is None:
+        return None
+    if entry.get("format") == PER_RANK_FORMAT:
+        ranks = entry.get("ranks")
+        if not isinstance(ranks, Mapping):
+            raise ValueError(f"{where}: the {STATE_KEY!r} entry has no per-rank states")
+        state = ranks.get(rank)
+        if state is None:
+            logger.warning("[mechmon] %s holds no mechmon state of rank %d (saved by %d ranks): this rank starts "
+                           "afresh", where, rank, len(ranks))
+        return dict(state) if state is not None else None
+    legacy_notice("deepspeed-single", where)
+    return dict(entry)

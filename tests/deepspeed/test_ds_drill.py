@@ -1,4 +1,4 @@
-"""checkpoint-and-abort drill on 2 DeepSpeed ranks (ZeRO-2, EP=2), then resume with detector state."""
+"""checkpoint-and-abort drill on 2 DeepSpeed ranks (ZeRO-2, EP=2), then resume with every rank's own state."""
 
 from __future__ import annotations
 
@@ -41,7 +41,16 @@ def test_drill_checkpoint_abort_then_resume(tmp_path: Path):
     assert alert["last_checkpoint_before_first_warning"]["iteration"] == 4
     states = torch.load(step6 / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
     assert states["mechmon_alert"]["iteration"] == 6
-    assert states["mechmon"]["version"] == 2
+    # DeepSpeed saves client_state from rank 0 only: it holds every rank's own state, gathered
+    # at the save (rank 0, the writer, holds the detector; both the checkpoints of steps 2 and 4).
+    entry = states["mechmon"]
+    assert entry["format"] == "mechmon-per-rank-1" and sorted(entry["ranks"]) == [0, 1]
+    assert all(state["version"] == 2 for state in entry["ranks"].values())
+    assert entry["ranks"][0]["detector"] is not None and entry["ranks"][1]["detector"] is None
+    assert [c["iteration"] for c in entry["ranks"][1]["checkpoints"]] == [2, 4]
+    # Rank 1's own error count, made distinct here: the resume must restore rank 1's own entry.
+    entry["ranks"][1]["errors"] = 5
+    torch.save(states, step6 / "mp_rank_00_model_states.pt")
     # The training loop's own client state (attach(client_state_fn=...)) at the abort: 6 steps of
     # one micro-batch of 2 x 32 tokens per rank (global batch 4 over 2 ranks).
     assert states["example_progress"] == PROGRESS_AT_6, states["example_progress"]
@@ -57,7 +66,11 @@ def test_drill_checkpoint_abort_then_resume(tmp_path: Path):
     assert (save / "latest").read_text().strip() == "global_step10"
     state = torch.load(save / "global_step10" / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
     assert state["example_progress"] == {"micro_batches": 10, "tokens": 10 * 2 * 32}  # 6 restored + 4 trained
-    trends = {(f, layer, member): values for f, layer, member, values in state["mechmon"]["detector"]["trends"]}
+    ranks = state["mechmon"]["ranks"]
+    assert (ranks[0]["errors"], ranks[1]["errors"]) == (0, 5)  # each rank restored its own state
+    # rank 1's restored list (2, 4) plus the save at 8 (a state is taken before its own save is recorded)
+    assert [c["iteration"] for c in ranks[1]["checkpoints"]] == [2, 4, 8]
+    trends = {(f, layer, member): values for f, layer, member, values in ranks[0]["detector"]["trends"]}
     # checks 2, 4, 6 before the abort and 8, 10 after: the baseline was restored, not re-warmed
     assert max(len(v) for v in trends.values()) == 5, {k: len(v) for k, v in trends.items()}
     assert ("router_entropy", 2, "token_entropy") in trends and ("attn_delta2", 1, "head_0") in trends

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.megatron_core._dist_state import saved_state, shard_keys
 from tests.megatron_core._torchrun import REPO_ROOT, run_ranks, run_torchrun
 
 pytest.importorskip("megatron.core")
@@ -52,25 +53,22 @@ def test_drill_checkpoint_abort_then_resume(tmp_path: Path):
         assert tag in tags, tag
     assert max(e.value for e in acc.Scalars("mechmon/alarm") if e.step == 20) == 1.0
 
-    # mechmon's state: under the one "mechmon" key of each rank's extra state (the writer's holds
-    # the detector). The writer's file is rewritten to the layout of mechmon <= 0.3
-    # (callbacks/mechmon): it still loads, with one notice, and the baseline below comes from it.
-    files = {rank: iter20 / "mechmon_extra" / f"rank_{rank:05d}.pt" for rank in (0, 1)}
-    extras = {rank: torch.load(path, weights_only=False) for rank, path in files.items()}
-    assert all("mechmon" in extra and "mechmon" not in extra["callbacks"] for extra in extras.values())
-    assert extras[1]["mechmon"]["detector"] is not None and extras[0]["mechmon"]["detector"] is None
-    old = dict(extras[1])
-    old["callbacks"] = {**old["callbacks"], "mechmon": old.pop("mechmon")}
-    torch.save(old, files[1])
+    # mechmon's state: one shard per rank of the "mechmon" entry inside the distributed
+    # checkpoint (the writer's holds the detector), none in the per-rank extra files. (Older
+    # layouts loading with one notice: test_sharded_state.py.)
+    assert shard_keys(str(iter20)) == ["mechmon/shard_0_2", "mechmon/shard_1_2"]
+    extras = [torch.load(iter20 / "mechmon_extra" / f"rank_{rank:05d}.pt", weights_only=False) for rank in (0, 1)]
+    assert all("mechmon" not in extra and "mechmon" not in extra["callbacks"] for extra in extras)
+    states = [saved_state(str(iter20), rank, 2) for rank in (0, 1)]
+    assert states[1]["detector"] is not None and states[0]["detector"] is None
 
     resumed = run_torchrun(SCRIPT, [*common, "--load", save], nproc=2, timeout_s=240)
     resumed.check(0)
-    assert resumed.output.count("holds mechmon state in an older format") == 1, resumed.output[-3000:]
+    assert "holds mechmon state in an older format" not in resumed.output, resumed.output[-3000:]
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "30"
     # The writer rank (last rank) holds the detectors: its state at 30 counts the checks before
     # the abort (5..20) and after the resume (25, 30) -- the baseline was restored, not re-warmed.
-    extra = torch.load(save / "iter_0000030" / "mechmon_extra" / "rank_00001.pt", weights_only=False)
-    detector = extra["mechmon"]["detector"]
+    detector = saved_state(str(save / "iter_0000030"), 1, 2)["detector"]
     trends = {(f, layer, member): values for f, layer, member, values in detector["trends"]}
     assert ("attn_delta2", 1, "head_0") in trends
     # routers are judged at every check (5..30): 6 values; attention misses the check after the

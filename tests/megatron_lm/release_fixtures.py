@@ -369,6 +369,15 @@ FAKE_TREE = {
             print("BUILD_MODEL", flush=True)
             train()
     """,
+    "megatron/training/checkpointing.py": """
+        def generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state, iteration=None,
+                                optim_sd_kwargs=None, model_sd_kwargs=None, rerun_state=None):
+            return {}
+
+        def _load_global_dist_base_checkpoint(load_dir, args, rank0, sharded_state_dict, iteration, release,
+                                              checkpointing_context=None):
+            return {}, load_dir, release, None
+    """,
     "megatron/post_training/arguments.py": """
         def add_modelopt_args(parser):
             parser.add_argument("--modelopt-level", type=int, default=0)

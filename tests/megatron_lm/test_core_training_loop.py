@@ -8,9 +8,10 @@ script ``examples/pretrain_scripts/pretrain_gpt_core.py``, unmodified, started t
 ranks, tensor parallel 2 with sequence parallelism (and one pipeline-parallel run), a tiny
 GPT-MoE on mock data.
 
-Drill at 20 with checkpoint-and-abort: Megatron's own save at 20 on every rank, the alert, every
-rank leaving with the exit code; TensorBoard events read back; a resume from that checkpoint
-continues the detector's saved history.
+Drill at 20 with checkpoint-and-abort: Megatron's own save at 20 on every rank (torch_dist, the
+default format: mechmon's state is inside it, one shard per rank), the alert, every rank leaving
+with the exit code; TensorBoard events read back; a resume from that checkpoint continues the
+detector's saved history.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import re
 import pytest
 from tiny_gpt_flags import TINY_GPT_MOE
 
+from tests.megatron_core._dist_state import saved_state, shard_keys
 from tests.megatron_core._torchrun import REPO_ROOT, run_torchrun_module
 
 pytestmark = [
@@ -73,9 +75,8 @@ def scalars(tb_dir: str):
     return events
 
 
-def trends(state_file: str) -> dict:
-    detector = json.load(open(state_file))["mechmon"]["detector"]
-    return {tuple(entry[:3]): entry[3] for entry in detector["trends"]}
+def trends(state: dict) -> dict:
+    return {tuple(entry[:3]): entry[3] for entry in state["detector"]["trends"]}
 
 
 def test_drill_checkpoints_aborts_every_rank_and_resumes(tmp_path):
@@ -95,6 +96,12 @@ def test_drill_checkpoints_aborts_every_rank_and_resumes(tmp_path):
     iter_dir = os.path.join(ckpt, "iter_0000020")
     for rank in range(2):
         assert glob.glob(os.path.join(iter_dir, f"__{rank}_*.distcp")), os.listdir(iter_dir)
+    # mechmon's state is inside Megatron's distributed checkpoint, one shard per rank, and nothing
+    # beside it (read back with PyTorch's own reader, no megatron-core load)
+    assert shard_keys(iter_dir) == ["mechmon/shard_0_2", "mechmon/shard_1_2"]
+    assert not os.path.exists(os.path.join(iter_dir, "mechmon_state"))
+    saved = saved_state(iter_dir, 1, 2)
+    assert saved["version"] == 2 and saved["detector"]["trends"] and saved_state(iter_dir, 0, 2)["detector"] is None
     alert = json.load(open(os.path.join(iter_dir, "mechmon_alert.json")))
     assert (alert["iteration"], alert["family"], alert["exit_code"]) == (20, "drill", EXIT_CODE)
     assert alert["checkpoint_dir"] == iter_dir
@@ -115,9 +122,8 @@ def test_drill_checkpoints_aborts_every_rank_and_resumes(tmp_path):
     assert result.returncode == 0 and not result.timed_out, result.output[-6000:]
     assert all("restored detector state from" in log for log in rank_logs)
     assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == "30"
-    # The writer (the last rank, 1) holds the detectors: its own state file under the one key.
-    saved, resumed = (trends(os.path.join(ckpt, f"iter_{t:07d}", "mechmon_state", "rank_00001.json"))
-                      for t in (20, 30))
+    # The writer (the last rank, 1) holds the detectors: its own shard of the checkpoint's entry.
+    saved, resumed = (trends(saved_state(os.path.join(ckpt, f"iter_{t:07d}"), 1, 2)) for t in (20, 30))
     assert saved.keys() == resumed.keys()
     for key, history in saved.items():  # the resumed run extended the saved history by 25 and 30
         assert resumed[key][: len(history)] == history and len(resumed[key]) == len(history) + 2, key

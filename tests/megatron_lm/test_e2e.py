@@ -30,6 +30,7 @@ from checkout_utils import copy_checkout
 from tiny_gpt_flags import TINY_GPT_MOE
 
 from mechmon_megatron.adapters.megatron_lm import patch_tool as mp
+from tests.megatron_core._dist_state import saved_state, shard_keys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR")
@@ -121,9 +122,11 @@ def test_drill_checkpoints_aborts_and_resumes(checkout, tmp_path):
     alert = json.load(open(os.path.join(iter_dir, "mechmon_alert.json")))
     assert alert["iteration"] == 20 and alert["family"] == "drill" and alert["exit_code"] == EXIT_CODE
     assert alert["checkpoint_dir"] == iter_dir
-    for rank in range(WORLD):  # every rank's own mechmon state, under the one "mechmon" key
-        state = json.load(open(os.path.join(iter_dir, "mechmon_state", f"rank_{rank:05d}.json")))["mechmon"]
-        assert state["version"] == 2
+    # every rank's own mechmon state, its shard of the one "mechmon" entry inside the checkpoint
+    assert shard_keys(iter_dir) == [f"mechmon/shard_{rank}_{WORLD}" for rank in range(WORLD)]
+    for rank in range(WORLD):
+        assert saved_state(iter_dir, rank, WORLD)["version"] == 2
+    assert not os.path.exists(os.path.join(iter_dir, "mechmon_state"))
 
     events = EventAccumulator(
         glob.glob(os.path.join(workdir, "tb", "events.out.tfevents.*"))[0], size_guidance={"scalars": 0}

@@ -82,6 +82,7 @@ def megatron_args(tmp_path, *flags: str) -> argparse.Namespace:
     args.tensorboard_dir = None
     args.use_distributed_optimizer = False
     args.overlap_param_gather = False
+    args.ckpt_format = "torch"  # Megatron's legacy format: the per-rank JSON files (torch_dist: test_sharded_state.py)
     return args
 
 
@@ -295,6 +296,15 @@ def test_wrapped_training_module_turns_our_exit_into_the_mechmon_code(model_para
 def test_unsupported_release_names_the_missing_hooks():
     with pytest.raises(RuntimeError, match="post_training_step_callbacks"):
         mlm.wrap_training_module(types.ModuleType("old_training"), mlm.MegatronLMHooks(lambda: None))
+
+
+def test_unsupported_release_names_the_missing_checkpointing_functions():
+    old = types.ModuleType("old_checkpointing")
+    old.generate_state_dict = lambda *a, **k: {}
+    missing = r"old_checkpointing has no \['_load_global_dist_base_checkpoint'\].*core_v0.16"
+    with pytest.raises(RuntimeError, match=missing):
+        mlm.wrap_checkpointing_module(old, mlm.MegatronLMHooks(lambda: None))
+    assert not hasattr(old.generate_state_dict, "_mechmon_wrapped")  # nothing wrapped
 
 
 def test_extra_args_provider_chains_an_existing_provider():

@@ -10,7 +10,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from mechmon_megatron.session import state_format
 from mechmon_megatron.session.config import MechmonConfig
 from mechmon_megatron.session.session import MonitoringSession
-from mechmon_megatron.session.state_format import STATE_KEY, state_of
+from mechmon_megatron.session.state_format import PER_RANK_FORMAT, STATE_KEY, own_state, per_rank, state_of
 
 STATE = {"version": 2, "detector": None, "checkpoints": [{"iteration": 4, "path": "x"}], "errors": 3}
 
@@ -39,3 +39,20 @@ def test_missing_and_malformed_state():
     assert state_of(None, "x") is None and state_of({}, "x") is None and state_of({"other": 1}, "x") is None
     with pytest.raises(ValueError, match=r"ckpt: the 'mechmon' entry is a list"):
         state_of({STATE_KEY: [1]}, "ckpt")
+
+
+def test_per_rank_entry_gives_each_rank_its_own_and_the_single_state_loads_with_one_notice(caplog):
+    entry = per_rank({0: STATE, 1: {**STATE, "errors": 5}})
+    assert own_state(entry, 1, "ckpt") == {**STATE, "errors": 5} and own_state(entry, 0, "ckpt") == STATE
+    with caplog.at_level(logging.WARNING):
+        assert own_state(entry, 2, "ckpt") is None  # the job grew: that rank starts afresh, said once
+    assert any("no mechmon state of rank 2" in r.getMessage() for r in caplog.records)
+    state_format._noticed.discard("deepspeed-single")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # the older layout: the saving rank's state, on every rank
+        assert own_state(STATE, 0, "old A") == STATE and own_state(STATE, 1, "old B") == STATE
+    notices = [r.getMessage() for r in caplog.records if "older format" in r.getMessage()]
+    assert len(notices) == 1 and "old A" in notices[0] and "saving rank only" in notices[0]
+    assert own_state(None, 0, "x") is None
+    with pytest.raises(ValueError, match="no per-rank states"):
+        own_state({"format": PER_RANK_FORMAT, "ranks": [STATE]}, 0, "ckpt")

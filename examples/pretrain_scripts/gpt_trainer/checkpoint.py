@@ -3,12 +3,15 @@
 Layout (like Megatron-LM's)::
 
     SAVE/latest_checkpointed_iteration.txt      # "7": the last complete checkpoint
-    SAVE/iter_0000007/                         # dist_checkpointing.save(model + optimizer)
-    SAVE/iter_0000007/mechmon_extra/rank_00000.pt  # iteration, LR scheduler, RNG, callbacks,
-                                                   # and the monitors' state under "mechmon"
+    SAVE/iter_0000007/                         # dist_checkpointing.save(model + optimizer
+                                               #   + the monitors' state under "mechmon")
+    SAVE/iter_0000007/mechmon_extra/rank_00000.pt  # iteration, LR scheduler, RNG, callbacks
 
 The model and optimizer are saved as sharded state dicts (``model.sharded_state_dict()``,
 ``optimizer.sharded_state_dict(model_sd)``), so they can be loaded with another TP/PP layout.
+The monitoring session's state is one ``ShardedObject`` per rank under ``mechmon`` in the same
+distributed checkpoint (mechmon's one format, ``mechmon_megatron/session/state_format.py``);
+checkpoints of older trainers, with it in the extra file, still load (one notice).
 The extra state is per rank (RNG states differ per rank); when the world size changed between
 save and load, rank 0's file is used and the RNG states are not restored (a warning says so).
 The tracker file is written last, so an interrupted save never becomes "latest".
@@ -28,6 +31,9 @@ from typing import Any, Optional
 import numpy as np
 import torch
 from megatron.core import dist_checkpointing, tensor_parallel
+
+from mechmon_megatron.adapters.megatron_core.sharded_state import add_load_template, loaded_state, state_shard
+from mechmon_megatron.session.state_format import STATE_KEY, legacy_notice, state_of
 
 logger = logging.getLogger(__name__)
 
@@ -87,15 +93,19 @@ def _sharded_state_dict(model_chunks, optimizer, is_loading: bool) -> dict[str, 
 
 
 def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler,
-                    extra: dict[str, Any]) -> str:
-    """Save on all ranks (collective). ``extra`` holds e.g. the callbacks' state dicts."""
+                    extra: dict[str, Any], monitor_state: Optional[dict] = None) -> str:
+    """Save on all ranks (collective). ``extra`` holds e.g. the callbacks' state dicts;
+    ``monitor_state`` (this rank's ``session.state_dict()``) goes into the distributed checkpoint."""
     _tolerate_missing_psutil()
     rank = torch.distributed.get_rank()
     path = iteration_dir(root, iteration)
     if rank == 0:
         os.makedirs(path, exist_ok=True)
     torch.distributed.barrier()
-    dist_checkpointing.save(_sharded_state_dict(model_chunks, optimizer, False), path)
+    sharded = _sharded_state_dict(model_chunks, optimizer, False)
+    if monitor_state is not None:  # every rank its own shard (errors, checkpoints; detector: writer)
+        sharded[STATE_KEY] = state_shard(monitor_state)
+    dist_checkpointing.save(sharded, path)
     extra_dir = os.path.join(path, EXTRA_DIR)
     os.makedirs(extra_dir, exist_ok=True)
     payload = {"version": EXTRA_VERSION, "iteration": iteration,
@@ -111,16 +121,19 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
 
 
 def load_checkpoint(root: str, model_chunks, optimizer, scheduler,
-                    step: Optional[int] = None) -> tuple[int, dict[str, Any]]:
+                    step: Optional[int] = None) -> tuple[int, dict[str, Any], Optional[dict]]:
     """Load the checkpoint of iteration ``step`` (default: the tracker's, the latest) under
-    ``root``; returns (iteration, extra state dict). The tracker file is only read."""
+    ``root``; returns (iteration, extra state dict, this rank's monitor state or None). The
+    tracker file is only read."""
     iteration = read_tracker(root) if step is None else step
     if iteration is None:
         raise ValueError(f"--load {root!r}: no {TRACKER} found (nothing saved there yet?).")
     path = iteration_dir(root, iteration)
     if step is not None and not os.path.isdir(path):
         raise ValueError(f"--ckpt-step {step}: no {os.path.basename(path)} under --load {root!r}.")
-    state = dist_checkpointing.load(_sharded_state_dict(model_chunks, optimizer, True), path)
+    template = _sharded_state_dict(model_chunks, optimizer, True)
+    in_checkpoint = add_load_template(template, path)  # only when the checkpoint holds it
+    state = dist_checkpointing.load(template, path)
     for i, chunk in enumerate(model_chunks):
         chunk.module.load_state_dict(state["model" if i == 0 else f"model{i}"])
     optimizer.load_state_dict(state["optimizer"])
@@ -138,4 +151,16 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler,
     else:
         logger.warning("world size changed (%d -> %d): RNG states not restored",
                        extra["world_size"], world)
-    return iteration, extra
+    if in_checkpoint:
+        monitor_state = loaded_state(state, path)
+    else:
+        monitor_state = _older_monitor_state(extra, extra_path)
+    return iteration, extra, monitor_state
+
+
+def _older_monitor_state(extra: dict[str, Any], extra_path: str) -> Optional[dict]:
+    """The monitor state of a checkpoint without the ``mechmon`` entry: the extra file's
+    ``mechmon`` key, or ``callbacks/mechmon`` (older still); one notice each."""
+    if extra.get(STATE_KEY) is not None:
+        legacy_notice("trainer-extra-file", extra_path)
+    return state_of(extra, extra_path)

@@ -60,13 +60,12 @@ class Trainer:
         if not self.args.save:
             return None
         states = self.callbacks.state_dict()
-        # The monitoring session's state goes under its one key (mechmon's format on every host,
-        # session/state_format.py), per rank like the rest of this file; other callbacks' below.
+        # The monitoring session's state goes into the distributed checkpoint under its one key
+        # (mechmon's format on every host, session/state_format.py), one shard per rank; other
+        # callbacks' into the per-rank extra file.
         extra: dict = {"callbacks": {name: sd for name, sd in states.items() if name != STATE_KEY}}
-        if STATE_KEY in states:
-            extra[STATE_KEY] = states[STATE_KEY]
         return save_checkpoint(self.args.save, iteration, self.model_chunks, self.optimizer,
-                               self.scheduler, extra)
+                               self.scheduler, extra, monitor_state=states.get(STATE_KEY))
 
     def save_regular(self, iteration: int) -> Optional[str]:
         """A scheduled save (--save-interval / end of training): callbacks hear about it."""

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
-from mechmon_megatron.session.state_format import STATE_KEY, state_of
+from mechmon_megatron.session.state_format import STATE_KEY
 
 from .args import ArgsProvider, parse_args, validate_args
 
@@ -85,10 +85,11 @@ def main(argv: Optional[Sequence[str]] = None,
     callbacks = CallbackList([AttentionStepCallback(args)] + (callbacks_factory(args) if callbacks_factory else []))
     iteration = 0
     if args.load:
-        iteration, extra = load_checkpoint(args.load, model_chunks, optimizer, scheduler,
-                                           step=args.ckpt_step)
-        states = dict(extra.get("callbacks", {}))
-        monitor_state = state_of(extra, f"--load {args.load}")  # the current key, or the old layout with a notice
+        iteration, extra, monitor_state = load_checkpoint(args.load, model_chunks, optimizer, scheduler,
+                                                          step=args.ckpt_step)
+        # the other callbacks' states; mechmon's came from the distributed checkpoint (or, in an
+        # older checkpoint, from the extra file, with a notice)
+        states = {name: sd for name, sd in extra.get("callbacks", {}).items() if name != STATE_KEY}
         if monitor_state is not None:
             states[STATE_KEY] = monitor_state
         callbacks.load_state_dict(states)

@@ -11,13 +11,19 @@ the engine INSTANCE (the class is untouched):
     a micro-step inside the accumulation (``global_steps`` unchanged) leaves the capture as it is,
     so a check step's router statistics sum over all its micro-batches.
 ``engine.save_checkpoint``
-    Adds ``client_state["mechmon"] = session.state_dict()`` (detector baselines) to the user's own
-    client state and records the checkpoint for the alert's "last checkpoint before the first
-    warning". The abort checkpoint of checkpoint-and-abort holds the user's client state too,
-    taken from ``client_state_fn()`` (passed to ``attach``), plus ``client_state["mechmon_alert"]``.
+    DeepSpeed writes ``client_state`` from the saving rank(s) only (the model-states file), so
+    every rank's ``session.state_dict()`` (the detector baselines on the writer rank, each rank's
+    error count and checkpoint list) is first gathered to rank 0 and broadcast back (guarded
+    collectives on mechmon's own group, bounded by ``collective_timeout``), and the user's own
+    client state gains ``client_state["mechmon"] = {"format": "mechmon-per-rank-1", "ranks":
+    {rank: state}}`` (``session/state_format.py``). The checkpoint is then recorded for the alert's
+    "last checkpoint before the first warning". The abort checkpoint of checkpoint-and-abort holds
+    the user's client state too, taken from ``client_state_fn()`` (passed to ``attach``), plus
+    ``client_state["mechmon_alert"]``.
 ``engine.load_checkpoint``
-    Restores the detector state from the loaded ``client_state`` (no second warm-up) and restarts
-    the schedule at the loaded step.
+    Each rank restores its own state from the loaded ``client_state`` (no second warm-up; the
+    older single state of the saving rank loads on every rank, with one notice) and restarts the
+    schedule at the loaded step.
 
 Who computes what:
 * Attention: every rank lists every attention layer (reads may be ZeRO collectives); the heads
@@ -59,7 +65,7 @@ from mechmon_megatron.session.host import (
 )
 from mechmon_megatron.session.session import Decision, MonitoringSession
 from mechmon_megatron.session.startup import RunFacts, validate_startup
-from mechmon_megatron.session.state_format import STATE_KEY, state_of
+from mechmon_megatron.session.state_format import STATE_KEY, own_state, per_rank, state_of
 from mechmon_megatron.session.writers import (
     EventListWriter,
     JsonlScalarWriter,
@@ -345,12 +351,29 @@ class MechmonDeepSpeed:
         if taken:  # refused before anything is written: the user's value would be replaced silently
             raise ValueError(f"engine.save_checkpoint(client_state=...): key(s) {taken} are mechmon's "
                              f"(the monitor state); rename them in your client state")
-        merged[CLIENT_STATE_KEY] = self.session.state_dict()
+        merged[CLIENT_STATE_KEY] = self._every_rank_state()
         out = original(save_dir, tag, merged, *args, **kwargs)
         self._last_save_dir = str(save_dir)
         step = int(self.engine.global_steps)
         self.session.on_checkpoint_saved(step, os.path.join(str(save_dir), str(tag or f"global_step{step}")))
         return out
+
+    def _every_rank_state(self) -> dict:
+        """Every rank's state (:func:`per_rank`), on every rank: the saving ranks are DeepSpeed's.
+
+        All ranks call ``save_checkpoint`` (DeepSpeed requires it), so all take part. A failed or
+        skipped gather (mechmon's collectives down) saves this rank's own state only: the others
+        then start afresh on resume, training goes on."""
+        state = self.session.state_dict()
+        if not _distributed() or _world() == 1:
+            return per_rank({_rank(): state})
+        try:
+            states = guard().gather_objects(state, 0, None, "the gather of every rank's mechmon state for a save")
+            states = guard().broadcast_object(states, 0, None, "the broadcast of every rank's mechmon state")
+        except (CollectiveFailure, CollectivesOff) as exc:
+            logger.error("[mechmon] rank %d: %s; this checkpoint holds this rank's mechmon state only", _rank(), exc)
+            return per_rank({_rank(): state})
+        return per_rank(dict(enumerate(states)))
 
     def _load_checkpoint(self, original, *args, **kwargs):
         load_path, client_state = original(*args, **kwargs)
@@ -365,7 +388,8 @@ class MechmonDeepSpeed:
         if not self.config.enabled:
             return
         self.session = self._new_session()  # fresh snapshots: the weights changed
-        self.session.load_state_dict(state_of(client_state, "the loaded client_state") or {})
+        where = "the loaded client_state"
+        self.session.load_state_dict(own_state(state_of(client_state, where), _rank(), where) or {})
         self._start(int(self.engine.global_steps))
 
     def load_checkpoint(self, *args, **kwargs):

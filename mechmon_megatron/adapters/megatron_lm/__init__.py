@@ -9,8 +9,9 @@ by ``mechmon-patch``, see ``patches/README.md``) do::
     pretrain(..., extra_args_provider=mechmon.extra_args_provider(existing_provider))
 
 Files, one job each: ``flags`` (the ``--mechmon*`` flags as an ``extra_args_provider``),
-``hooks`` (:class:`MegatronLMHooks`: build the session, run checks, save-and-exit, detector
-state beside each checkpoint), ``install`` (wrap ``megatron.training.training``), ``run``
+``hooks`` (:class:`MegatronLMHooks`: build the session, run checks, save-and-exit, mechmon's
+state in Megatron's own torch_dist checkpoint, or beside a ``torch`` one), ``install`` (wrap
+``megatron.training.training`` and ``megatron.training.checkpointing``), ``run``
 (``mechmon-run``: hooks, flags and parse-time validation, then the unmodified script),
 ``anchors`` (the three insertion points of ``pretrain_gpt.py``, located by content),
 ``patch_tool`` (``mechmon-patch``: apply / status / revert).
@@ -24,7 +25,12 @@ entry point this adapter builds on: Megatron-LM trains megatron-core models.
 from typing import Any
 
 from mechmon_megatron.adapters.megatron_lm.flags import add_arguments, extra_args_provider
-from mechmon_megatron.adapters.megatron_lm.install import install, unwrap_training_module, wrap_training_module
+from mechmon_megatron.adapters.megatron_lm.install import (
+    install,
+    unwrap_training_module,
+    wrap_checkpointing_module,
+    wrap_training_module,
+)
 
 _HOOKS_EXPORTS = ("STATE_DIR", "STATE_FILENAME", "MegatronLMHooks", "checkpoint_iter_dir", "state_path")
 
@@ -38,6 +44,7 @@ __all__ = [
     "install",
     "state_path",
     "unwrap_training_module",
+    "wrap_checkpointing_module",
     "wrap_training_module",
 ]
 

@@ -3,12 +3,23 @@
 The hooks build the session on the first training step (model chunks and writers exist then,
 ``--load`` is done), arm router-logit capture before the forward of a check step, run the check
 after the optimizer step, and turn an agreed abort into Megatron's own save-and-exit
-(``args.exit_interval = iteration``). After each persistent save every rank writes its own
-state, ``{"mechmon": session.state_dict()}`` (mechmon's one format, ``session/state_format.py``;
-the writer rank's holds the detectors), to ``iter_XXXXXXX/mechmon_state/rank_RRRRR.json``; each
-rank reads its own back when a run resumes from that iteration with ``--load``. The older
-``iter_XXXXXXX/mechmon_state.json`` (the writer's state only) still loads, with one notice. :mod:`.install` wires these
-hooks into ``megatron.training.training``.
+(``args.exit_interval = iteration``).
+
+mechmon's state, ``session.state_dict()`` (mechmon's one format, ``session/state_format.py``; the
+writer rank's holds the detectors), is saved per rank:
+
+* ``--ckpt-format torch_dist`` (Megatron's default): inside Megatron's own distributed checkpoint,
+  one ``ShardedObject`` per rank under ``mechmon`` (:meth:`MegatronLMHooks.sharded_entry`, added
+  to ``generate_state_dict``'s result), read back by Megatron's load
+  (:meth:`MegatronLMHooks.add_load_entry` / :meth:`MegatronLMHooks.take_loaded`) and applied when
+  the session is built. A torch_dist checkpoint without the entry (older mechmon) still loads:
+  the per-rank JSON files below, or the single file, are read then, with one notice.
+* ``--ckpt-format torch`` (legacy; only data-parallel rank 0 writes the model): every rank writes
+  ``iter_XXXXXXX/mechmon_state/rank_RRRRR.json`` after the save and reads its own on resume.
+
+The older ``iter_XXXXXXX/mechmon_state.json`` (the writer's state only) still loads, with one
+notice. :mod:`.install` wires these hooks into ``megatron.training.training`` and
+``megatron.training.checkpointing``.
 """
 
 from __future__ import annotations
@@ -20,7 +31,14 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from mechmon_megatron.adapters.megatron_core import McoreReads, build_mcore_session, force_param_sync
+from mechmon_megatron.adapters.megatron_core import (
+    McoreReads,
+    add_load_template,
+    build_mcore_session,
+    force_param_sync,
+    loaded_state,
+    state_shard,
+)
 from mechmon_megatron.cli.args import config_from_args
 from mechmon_megatron.session.collective_guard import CollectiveFailure, CollectivesOff, guard
 from mechmon_megatron.session.config import MechmonConfig
@@ -31,9 +49,18 @@ from mechmon_megatron.session.writers import WandbScalarWriter
 logger = logging.getLogger(__name__)
 
 STATE_DIR = "mechmon_state"
-"""Per-rank state files under ``iter_XXXXXXX/``: ``rank_RRRRR.json``."""
+"""Per-rank state files under ``iter_XXXXXXX/``: ``rank_RRRRR.json`` (``--ckpt-format torch``; beside a
+torch_dist checkpoint only from an older mechmon)."""
 STATE_FILENAME = "mechmon_state.json"
 """The older single file of the writer rank's state (mechmon <= 0.3): still read on resume."""
+DIST_FORMAT = "torch_dist"
+"""Megatron's ``--ckpt-format`` whose checkpoint holds mechmon's state itself."""
+
+
+def in_dist_checkpoint(args: Any) -> bool:
+    """mechmon's state goes into Megatron's distributed checkpoint (``--ckpt-format torch_dist``);
+    other formats (``torch``: written by data-parallel rank 0 only) keep the per-rank JSON files."""
+    return getattr(args, "ckpt_format", None) == DIST_FORMAT
 
 
 def checkpoint_iter_dir(save_dir: str, iteration: int) -> str:
@@ -67,10 +94,15 @@ def write_state(directory: str, state: dict, rank: Optional[int] = None) -> str:
     return path
 
 
-def read_state(directory: str, rank: Optional[int] = None) -> Optional[dict]:
-    """This rank's saved state, or the older single file's (one notice), or None."""
+def read_state(directory: str, rank: Optional[int] = None, older: bool = False) -> Optional[dict]:
+    """This rank's state file, or the older single file's (one notice), or None.
+
+    ``older``: the per-rank files are themselves the older layout (beside a torch_dist checkpoint
+    that lacks the ``mechmon`` entry): one notice too."""
     path = state_path(directory, _rank() if rank is None else rank)
     if os.path.isfile(path):
+        if older:
+            legacy_notice("megatron-lm-rank-json", path)
         with open(path, encoding="utf-8") as f:
             return state_of(json.load(f), path)
     legacy = os.path.join(directory, STATE_FILENAME)
@@ -116,6 +148,9 @@ class MegatronLMHooks:
         """Megatron's optimizer (from ``train_step``): its FP32 main parameters are what we read."""
         self.reads = McoreReads()
         """What to do around a check (prefetch, whether to gather the model first): session_factory."""
+        self.loaded: Optional[tuple[str, Optional[dict]]] = None
+        """(checkpoint dir, this rank's state) read by Megatron's load of a torch_dist checkpoint,
+        applied when the session is built at the first training step."""
 
     # -- lifecycle
     def ensure_session(
@@ -143,17 +178,46 @@ class MegatronLMHooks:
         return session
 
     def _restore(self, args: Any, start_iteration: int) -> None:
+        loaded, self.loaded = self.loaded, None
         load = getattr(args, "load", None)
         if not load or start_iteration <= 0:
             return
         directory = checkpoint_iter_dir(load, start_iteration)
-        state = read_state(directory)
+        if loaded is not None:  # the entry of Megatron's distributed checkpoint
+            directory, state = loaded
+        else:
+            state = read_state(directory, older=in_dist_checkpoint(args))
         if state is None:
-            logger.info("[mechmon] no mechmon state (%s/ or %s) in %s: detectors start with a fresh baseline",
-                        STATE_DIR, STATE_FILENAME, directory)
+            logger.info("[mechmon] no mechmon state (the %r entry, %s/ or %s) in %s: detectors start with a fresh "
+                        "baseline", STATE_KEY, STATE_DIR, STATE_FILENAME, directory)
             return
-        self.session.load_state_dict(state)
+        session = self.session
+        session.load_state_dict(state)
+        # The state was taken before its own save was recorded: the run resumes from that checkpoint.
+        if not any(c.get("iteration") == start_iteration for c in session.checkpoints):
+            session.on_checkpoint_saved(start_iteration, checkpoint_iter_dir(load, start_iteration))
         logger.info("[mechmon] restored detector state from %s", directory)
+
+    # -- Megatron's distributed checkpoint (--ckpt-format torch_dist)
+    def sharded_entry(self, args: Any) -> Any:
+        """This rank's shard of the ``mechmon`` entry for a torch_dist save, or None (no session,
+        monitors off, or another checkpoint format)."""
+        session = self.session
+        if session is None or not session.enabled or not in_dist_checkpoint(args):
+            return None
+        return state_shard(session.state_dict())
+
+    def add_load_entry(self, args: Any, template: dict, checkpoint_dir: str) -> bool:
+        """Name this rank's ``mechmon`` shard in Megatron's load template when the checkpoint holds
+        it (an older checkpoint without it must load unchanged); True when added."""
+        if not getattr(args, "mechmon", False) or not isinstance(template, dict):
+            return False
+        return add_load_template(template, checkpoint_dir)
+
+    def take_loaded(self, loaded: Any, checkpoint_dir: str) -> None:
+        """Keep this rank's state from what Megatron's load returned (applied at the first step)."""
+        if isinstance(loaded, dict) and STATE_KEY in loaded:  # popped: Megatron sees its own state dict only
+            self.loaded = (checkpoint_dir, loaded_state({STATE_KEY: loaded.pop(STATE_KEY)}, checkpoint_dir))
 
     # -- per step
     def before_step(self, model_chunks: Sequence[torch.nn.Module], iteration: int) -> None:
@@ -206,7 +270,8 @@ class MegatronLMHooks:
             return
         directory = checkpoint_iter_dir(save, iteration)
         session.on_checkpoint_saved(iteration, directory)
-        write_state(directory, session.state_dict())  # every rank its own (errors, checkpoints; detector: writer)
+        if not in_dist_checkpoint(self._get_args()):  # torch_dist: the state is inside the checkpoint
+            write_state(directory, session.state_dict())  # every rank its own (errors, checkpoints; detector: writer)
 
     def finish_abort(self) -> Optional[str]:
         """After Megatron left the loop for our abort: write the alert, sync, close."""

@@ -1,4 +1,5 @@
-"""``install()``: wrap four globals of ``megatron.training.training`` with the mechmon hooks.
+"""``install()``: wrap four globals of ``megatron.training.training`` and two of
+``megatron.training.checkpointing`` with the mechmon hooks.
 
 ``pretrain`` / ``train`` look these names up at call time (present in Megatron-LM core_v0.16.x
 and current main):
@@ -12,7 +13,19 @@ and current main):
   then runs ``session.on_step_end``. An agreed abort sets ``args.exit_interval = iteration`` on
   every rank, so Megatron's own ``checkpoint_and_decide_exit`` saves a checkpoint at this
   iteration (when ``--save`` is set) and leaves the loop.
-* ``save_checkpoint``: after each persistent save, the detector state is written beside it.
+* ``save_checkpoint``: after each persistent save, the checkpoint is recorded (the alert's "last
+  checkpoint before the first warning"); with ``--ckpt-format torch`` every rank's state is
+  written beside it (``mechmon_state/rank_RRRRR.json``).
+
+and two of ``megatron.training.checkpointing`` (present in core_v0.16.x to core_v0.19.x and main):
+
+* ``generate_state_dict``: the state dict a save writes gains this rank's ``ShardedObject`` under
+  ``mechmon`` (``--ckpt-format torch_dist``), so Megatron's own distributed checkpoint holds
+  mechmon's state, sharded per rank. Its load template (``optim_sd_kwargs["is_loading"]``) is left
+  as it is.
+* ``_load_global_dist_base_checkpoint``: the load of a torch_dist checkpoint; when the checkpoint
+  holds the ``mechmon`` entry, the template names this rank's shard and the loaded state is kept
+  for the session (built at the first training step). A checkpoint without it loads unchanged.
 * argument parsing (``megatron.training.arguments.parse_args`` / ``parse_and_validate_args``, see
   :mod:`.run`): the ``--mechmon*`` flags are added once and validated when parsed, before any
   process group or model exists (exit status 2 naming the flag).
@@ -27,16 +40,21 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import os
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:  # the hooks (torch, megatron-core) load in install(): mechmon-patch stays light
     from mechmon_megatron.adapters.megatron_lm.hooks import MegatronLMHooks
+
+from mechmon_megatron.session.state_format import STATE_KEY
 
 logger = logging.getLogger(__name__)
 
 TRAINING_MODULE = "megatron.training.training"
 HOOKED = ("train_step", "post_training_step_callbacks", "save_checkpoint", "train")
 _WRAPPED_MARK = "_mechmon_wrapped"
+CHECKPOINTING_MODULE = "megatron.training.checkpointing"
+CHECKPOINT_HOOKED = ("generate_state_dict", "_load_global_dist_base_checkpoint")
 
 
 def _step_iteration(args: tuple, kwargs: dict, get_args: Callable[[], Any]) -> int:
@@ -117,16 +135,72 @@ def wrap_training_module(training: Any, hooks: MegatronLMHooks) -> None:
         setattr(training, name, fn)
 
 
-def unwrap_training_module(training: Any) -> None:
-    """Undo :func:`wrap_training_module` (tests, in-process restarts)."""
-    for name in HOOKED:
-        fn = getattr(training, name, None)
-        inner = getattr(fn, _WRAPPED_MARK, None)
-        if inner is not None:
-            setattr(training, name, inner)
+def _is_loading(kwargs: dict) -> bool:
+    """``generate_state_dict`` builds a load template (every release passes ``is_loading=True``
+    in ``optim_sd_kwargs`` then), not the state dict of a save."""
+    return bool((kwargs.get("optim_sd_kwargs") or {}).get("is_loading", False))
 
 
-def install(training_module: Any = None) -> MegatronLMHooks:
+def wrap_checkpointing_module(checkpointing: Any, hooks: MegatronLMHooks) -> None:
+    """Replace the two hooked globals of ``checkpointing`` (mechmon's entry in torch_dist checkpoints)."""
+    missing = [name for name in CHECKPOINT_HOOKED if not callable(getattr(checkpointing, name, None))]
+    if missing:
+        raise RuntimeError(
+            f"mechmon: {checkpointing.__name__} has no {missing}; this Megatron-LM release is not supported "
+            "by mechmon_megatron.megatron_lm.install() (known: core_v0.16.x to core_v0.19.x and main) -- please "
+            "report it with your Megatron-LM commit"
+        )
+    original = {name: getattr(checkpointing, name) for name in CHECKPOINT_HOOKED}
+
+    @functools.wraps(original["generate_state_dict"])
+    def generate_state_dict(args, *rest, **kwargs):
+        state_dict = original["generate_state_dict"](args, *rest, **kwargs)
+        if not _is_loading(kwargs) and isinstance(state_dict, dict):
+            entry = hooks.sharded_entry(args)
+            if entry is not None:
+                state_dict[STATE_KEY] = entry
+        return state_dict
+
+    @functools.wraps(original["_load_global_dist_base_checkpoint"])
+    def load_global_dist_base_checkpoint(load_dir, args, rank0, sharded_state_dict, iteration, release, *rest,
+                                         **kwargs):
+        # the directory the original reads (rank0 reads the common state only: no template)
+        checkpoint_dir = get_checkpoint_dir(checkpointing, load_dir, iteration, release)
+        added = not rank0 and hooks.add_load_entry(args, sharded_state_dict, checkpoint_dir)
+        result = original["_load_global_dist_base_checkpoint"](load_dir, args, rank0, sharded_state_dict,
+                                                               iteration, release, *rest, **kwargs)
+        if added:
+            hooks.take_loaded(result[0], checkpoint_dir)
+        return result
+
+    for name, fn in (("generate_state_dict", generate_state_dict),
+                     ("_load_global_dist_base_checkpoint", load_global_dist_base_checkpoint)):
+        setattr(fn, _WRAPPED_MARK, original[name])
+        setattr(checkpointing, name, fn)
+
+
+def get_checkpoint_dir(checkpointing: Any, load_dir: str, iteration: int, release: bool) -> str:
+    """The ``iter_XXXXXXX`` (or ``release``) directory Megatron loads a torch_dist checkpoint from."""
+    get_name = getattr(checkpointing, "get_checkpoint_name", None)
+    if callable(get_name):
+        try:
+            return str(get_name(load_dir, iteration, release, return_base_dir=True))
+        except TypeError:  # a release without return_base_dir
+            pass
+    return os.path.join(load_dir, "release" if release else f"iter_{iteration:07d}")
+
+
+def unwrap_training_module(training: Any, checkpointing: Any = None) -> None:
+    """Undo :func:`wrap_training_module` (and :func:`wrap_checkpointing_module` of ``checkpointing``)."""
+    for module, names in ((training, HOOKED), (checkpointing, CHECKPOINT_HOOKED)):
+        for name in names if module is not None else ():
+            fn = getattr(module, name, None)
+            inner = getattr(fn, _WRAPPED_MARK, None)
+            if inner is not None:
+                setattr(module, name, inner)
+
+
+def install(training_module: Any = None, checkpointing_module: Any = None) -> MegatronLMHooks:
     """Attach mechmon to Megatron-LM's training loop; call once, before ``pretrain``.
 
     Nothing is built until the first training step, and a run without ``--mechmon`` only pays
@@ -136,6 +210,11 @@ def install(training_module: Any = None) -> MegatronLMHooks:
     Megatron-LM run on CPU before this is called; the product itself never does.)
     """
     training = training_module or importlib.import_module(TRAINING_MODULE)
+    try:
+        checkpointing = checkpointing_module or importlib.import_module(CHECKPOINTING_MODULE)
+    except ImportError as exc:
+        raise RuntimeError(f"mechmon: cannot import {CHECKPOINTING_MODULE} ({exc}); this Megatron-LM release is not "
+                           "supported by mechmon_megatron.megatron_lm.install()") from exc
     installed = getattr(training, "_mechmon_hooks", None)
     if installed is not None:
         return installed
@@ -152,6 +231,7 @@ def install(training_module: Any = None) -> MegatronLMHooks:
         logger.info(
             "[mechmon] megatron.training.callbacks found; using the module-global hooks, which fire at the same points"
         )
+    wrap_checkpointing_module(checkpointing, hooks)  # first: a missing function leaves nothing wrapped
     wrap_training_module(training, hooks)
     training._mechmon_hooks = hooks
     if training_module is None:
