@@ -13,20 +13,15 @@ time on the shared machine):
 2. ``healthy-prefix-seed3``: the seed-3 healthy run up to 1,900 steps (only a parent: the fault
    forks need nothing later);
 3. FA faults seeds 1-3 at 32 and 16 ulps, onset 500 (forks at 400), then onset 2,000 (forks at 1,900);
-4. the learning-rate faults of the detector study, seeds 1-3 (router-only 15x and whole-model 4x
-   LR from step 1, 1,500 steps): the attribution targets (a router alarm, never the precision
-   mechanism) under the short window. Reported, not part of the choice (added in round 5, before
-   any of them ran);
+4. the second fault shape, reported beside the grid: the 32-ulp fault confined to one layer
+   (``--fa-fault-layers 2``, onset 500, seeds 1-3, forks of the calibration / seed-3 parents);
 5. held out: ``healthy-prefix-seed{4,5,6}`` and their FA faults (onset 500, then 2,000);
-6. the second fault shape, reported beside the grid: the 32-ulp fault confined to one layer
-   (``--fa-fault-layers 2``, onset 500, seeds 1-3, forks of the calibration / seed-3 parents).
+6. the learning-rate faults of the detector study, seeds 1-3 (router-only 15x and whole-model 4x
+   LR from step 1, 1,500 steps): the attribution targets (a router alarm, never the precision
+   mechanism) under the short window.
 
-The runs' online detector only records (``--mechmon-action log``); every decision of the study is
-replayed offline from the recorded scalars with tails fitted on the calibration runs. Its start-up
-needs a calibration with an ``attn_delta2_short`` section, which no measured table has yet: the
-campaign writes ``OUT/provisional_null_tails.json`` (:func:`write_provisional_calibration`), the
-shipped table with the short family's tails copied from ``attn_delta2`` at overlap 1. It is
-used by nothing but these recording runs. Pure Python: no torch import.
+Items 4 and 6 were added in round 5 before any of their runs started; they are reported, not part
+of the choice. The launch order of 4-6 only decides what a session's time reaches first.
 """
 
 from __future__ import annotations
@@ -122,10 +117,10 @@ def plan_short_window_campaign(calibration_path: str, preset: Optional[Preset] =
     runs = [parents[1], parents[2], parents[3]]
     for onset in FA_ONSETS:
         runs += [fault(parents[s], strength, onset) for s in CHOICE_SEEDS for strength in STRENGTHS]
-    runs += [lr_fault(scenario, s) for s in CHOICE_SEEDS for scenario in LR_SCENARIOS]
+    runs += [fault(parents[s], CONFINED_STRENGTH, CONFINED_ONSET, CONFINED_LAYERS) for s in CHOICE_SEEDS]
     runs += [parents[s] for s in HELD_OUT_SEEDS]
     for onset in FA_ONSETS:
         runs += [fault(parents[s], strength, onset) for s in HELD_OUT_SEEDS for strength in STRENGTHS]
-    runs += [fault(parents[s], CONFINED_STRENGTH, CONFINED_ONSET, CONFINED_LAYERS) for s in CHOICE_SEEDS]
+    runs += [lr_fault(scenario, s) for s in CHOICE_SEEDS for scenario in LR_SCENARIOS]
     return runs
 
