@@ -162,6 +162,58 @@ def run_short_window_study(
     return out
 
 
+CHOICE_RUNS = tuple(f"fa-s{strength}-on{onset}-seed{seed}" for strength in (32, 16) for onset in (500, 2000)
+                    for seed in (1, 2, 3))
+"""The 12 fault runs the design is chosen on (pre-registered, docs/RESULTS.md): FA seeds 1-3."""
+FINISHED_STATES = ("done", "stopped-after-divergence")
+
+
+def _later(a: Optional[int], b: Optional[int]) -> bool:
+    """Alarm step ``a`` comes later than ``b`` (no alarm is later than any alarm)."""
+    if a is None:
+        return b is not None
+    return b is not None and a > b
+
+
+def _after(entry: Mapping[str, Any], design: str) -> str:
+    """A design's first alarm on one run as steps after the onset (``-``: none)."""
+    first = entry[design]["first_alarm"]
+    return "-" if first is None else f"+{first - (entry['onset'] or 0)}"
+
+
+def choice_verdict(results: Mapping[str, Any], choice_runs: Sequence[str] = CHOICE_RUNS) -> dict[str, Any]:
+    """The pre-registered choice (docs/RESULTS.md, "Pre-registration"), applied mechanically.
+
+    ``long+short`` becomes the default only if (1) it raises no alarm on either calibration run,
+    (2) its first alarm is never later than ``long``'s on any choice run, (3) earlier on at least
+    half of them, and (4) every first alarm it raises on them names an attention family. Returns
+    ``{"verdict": "long+short" | "long" | "incomplete", "reasons": [...], "earlier": n, "later": [...]}``;
+    ``incomplete`` while a calibration or choice run is missing or unfinished.
+    """
+    runs = results["runs"]
+    missing = [r for r in (*results["calibration_runs"], *choice_runs)
+               if r not in runs or runs[r]["state"] not in FINISHED_STATES]
+    if missing:
+        return {"verdict": "incomplete", "reasons": [f"not finished: {', '.join(missing)}"], "earlier": None,
+                "later": []}
+    reasons = []
+    calib_alarms = {r: len(runs[r]["long+short"]["alarms"]) for r in results["calibration_runs"]}
+    if any(calib_alarms.values()):
+        reasons.append(f"alarms on calibration runs: {calib_alarms}")
+    later = [r for r in choice_runs if _later(runs[r]["long+short"]["first_alarm"], runs[r]["long"]["first_alarm"])]
+    if later:
+        reasons.append("later than long on " + ", ".join(
+            f"{r} ({_after(runs[r], 'long+short')} vs {_after(runs[r], 'long')})" for r in later))
+    earlier = sum(_later(runs[r]["long"]["first_alarm"], runs[r]["long+short"]["first_alarm"]) for r in choice_runs)
+    if 2 * earlier < len(choice_runs):
+        reasons.append(f"earlier than long on {earlier} of {len(choice_runs)} (needs at least half)")
+    families = {r: runs[r]["long+short"]["first_family"] for r in choice_runs}
+    foreign = [r for r, f in families.items() if f and not f.startswith("attn_")]
+    if foreign:
+        reasons.append("first alarm not attention on " + ", ".join(foreign))
+    return {"verdict": "long" if reasons else "long+short", "reasons": reasons, "earlier": earlier, "later": later}
+
+
 def markdown(results: Mapping[str, Any], held_out_seeds: Sequence[int] = ()) -> str:
     """The tables of docs/RESULTS.md (short-window study); rows of ``held_out_seeds`` marked."""
     designs = results["designs"]
@@ -212,4 +264,9 @@ def markdown(results: Mapping[str, Any], held_out_seeds: Sequence[int] = ()) -> 
 
         lines.append(f"| {run_id}{' *' if e['calibration'] else ''} | {e['last_step']} | {alarms(e['long'])} "
                      f"| {alarms(e['long+short'])} |")
+    choice = choice_verdict(results)
+    lines += ["", f"Pre-registered choice on {len(CHOICE_RUNS)} FA runs (seeds 1-3) and the calibration runs: "
+              f"**{choice['verdict']}**" + (" (" + "; ".join(choice["reasons"]) + ")" if choice["reasons"] else "")
+              + (f"; long+short earlier on {choice['earlier']} of {len(CHOICE_RUNS)}" if choice["earlier"] is not None
+                 else "") + "."]
     return "\n".join(lines) + "\n"

@@ -15,8 +15,10 @@ from mechmon_megatron.research.study.campaign_data import CampaignRecord
 from mechmon_megatron.research.study.long_plan import CampaignRun
 from mechmon_megatron.research.study.pooled_replay import thresholds_at_rate
 from mechmon_megatron.research.study.short_window_study import (
+    CHOICE_RUNS,
     SHORT,
     calibrate_short,
+    choice_verdict,
     markdown,
     only_families,
     run_short_window_study,
@@ -149,3 +151,35 @@ def test_calibration_without_the_short_streams_is_refused():
         record.status = {"state": "running"}
     with pytest.raises(ValueError, match="not finished.*healthy-cosine-seed1 running 400"):
         calibrate_short(plain)
+
+
+def _entry(onset, long_first, short_first, family="attn_delta2", state="stopped-after-divergence", alarms=0):
+    return {"onset": onset, "state": state, "healthy": False,
+            "long": {"first_alarm": long_first, "first_family": "attn_delta2", "alarms": []},
+            "long+short": {"first_alarm": short_first, "first_family": family, "alarms": [[0, "x", 0, "c"]] * alarms}}
+
+
+def _choice_results(pairs, calibration_alarms=0, family="attn_delta2"):
+    runs = {r: _entry(500, 500 + a, None if b is None else 500 + b, family=family)
+            for r, (a, b) in zip(CHOICE_RUNS, pairs)}
+    for r in ("healthy-cosine-seed1", "healthy-cosine-seed2"):
+        runs[r] = _entry(None, None, None, state="done", alarms=calibration_alarms)
+    return {"runs": runs, "calibration_runs": ["healthy-cosine-seed1", "healthy-cosine-seed2"]}
+
+
+def test_choice_verdict_applies_the_preregistered_rule():
+    """Each clause of the rule flips the verdict on its own; a missing run makes it incomplete."""
+    earlier_half = [(100, 80)] * 6 + [(100, 100)] * 6
+    assert choice_verdict(_choice_results(earlier_half))["verdict"] == "long+short"
+    one_later = [(100, 80)] * 6 + [(100, 100)] * 5 + [(100, 120)]
+    verdict = choice_verdict(_choice_results(one_later))
+    assert verdict["verdict"] == "long" and verdict["later"] == [CHOICE_RUNS[-1]]
+    assert "+120 vs +100" in verdict["reasons"][0]
+    assert choice_verdict(_choice_results([(100, 80)] * 5 + [(100, 100)] * 7))["verdict"] == "long"
+    assert choice_verdict(_choice_results(earlier_half, calibration_alarms=1))["verdict"] == "long"
+    assert choice_verdict(_choice_results(earlier_half, family="router_entropy"))["verdict"] == "long"
+    no_alarm = [(100, 80)] * 11 + [(100, None)]  # no alarm counts as later than any alarm
+    assert choice_verdict(_choice_results(no_alarm))["later"] == [CHOICE_RUNS[-1]]
+    partial = _choice_results(earlier_half)
+    del partial["runs"][CHOICE_RUNS[0]]
+    assert choice_verdict(partial)["verdict"] == "incomplete"
