@@ -237,7 +237,7 @@ class MonitoringSession:
             agreement = self.guard.counter.take()
             last = self.last_check_comm
             if last is not None and last["iteration"] == iteration:  # the check's end-of-step agreement
-                for key in ("sent_bytes", "received_bytes", "seconds", "calls"):
+                for key in ("sent_bytes", "received_bytes", "seconds", "calls", "messages"):
                     last["records"][key] += agreement[key]
             if off is not None:
                 decision = off
