@@ -179,8 +179,10 @@ class Communicator(Protocol):
         """The writer's verdict on every rank: one small tensor, plus its objects only when it
         carries any (an alarm's alerts, a strict stop)."""
 
-    def first_problem(self, problem: Optional[str]) -> Optional[tuple[int, str]]:
-        """Start-up: ``(rank, its problem)`` of the lowest rank that has one, on every rank (None: none)."""
+    def agree_startup(self, choice: int, problems: Sequence[Optional[str]]) -> tuple[int, Optional[tuple[int, str]]]:
+        """Start-up, every rank: the job's choice (the largest ``choice`` of any rank) and ``(rank,
+        its problem)`` of the lowest rank with a problem under that choice (``problems[c]``: this
+        rank's problem if the job chose ``c``; None: none), the same on every rank."""
 
 
 class LocalCommunicator:
@@ -205,8 +207,9 @@ class LocalCommunicator:
         assert verdict is not None  # the one rank is the writer
         return verdict
 
-    def first_problem(self, problem: Optional[str]) -> Optional[tuple[int, str]]:
-        return None if problem is None else (0, problem)
+    def agree_startup(self, choice: int, problems: Sequence[Optional[str]]) -> tuple[int, Optional[tuple[int, str]]]:
+        problem = problems[choice]
+        return choice, (None if problem is None else (0, problem))
 
 
 @dataclass
@@ -363,17 +366,19 @@ class TorchDistributedCommunicator:
             self.writer_rank, self._group, "the alarm's alert records")
         return Verdict(alarm=alarm, alerts=list(alerts), stop=stop)
 
-    def first_problem(self, problem: Optional[str]) -> Optional[tuple[int, str]]:
-        """One int64 all-reduce (MIN of the ranks with a problem); the lowest such rank then
-        broadcasts its message, so every rank raises the same one."""
-        flag = torch.tensor([self.rank if problem is not None else self._world], dtype=torch.int64,
-                            device=collective_guard.group_device(self._group))
+    def agree_startup(self, choice: int, problems: Sequence[Optional[str]]) -> tuple[int, Optional[tuple[int, str]]]:
+        """One int64 all-reduce (MIN) of ``[-choice, first problem rank under choice c for every c]``:
+        the negated choice makes the MIN a MAX (the job takes the largest); the lowest rank with a
+        problem under that choice then broadcasts its message, so every rank raises the same one."""
+        flag = torch.tensor([-int(choice), *(self.rank if p is not None else self._world for p in problems)],
+                            dtype=torch.int64, device=collective_guard.group_device(self._group))
         self.guard.all_reduce(flag, self._group, "the start-up agreement", op=_min_op())
-        first = int(flag.item())
+        agreed = -int(flag[0].item())
+        first = int(flag[1 + agreed].item())
         if first >= self._world:
-            return None
-        message = self.guard.broadcast_object(problem, first, self._group, "the start-up refusal")
-        return first, str(message)
+            return agreed, None
+        message = self.guard.broadcast_object(problems[agreed], first, self._group, "the start-up refusal")
+        return agreed, (first, str(message))
 
 
 def _gather_rows(guard: collective_guard.CollectiveGuard, values: list[float], objects: Optional[Any],

@@ -96,6 +96,24 @@ def _startup(rank: int) -> dict:
         os.environ.pop("LOCAL_WORLD_SIZE", None)
 
 
+def _placement(rank: int) -> dict:
+    """``auto`` on a (stand-in) 1 GiB accelerator with ``snapshot_max_device_share`` 0.01: rank 1's
+    snapshots (one layer of 16 MiB) exceed its 10 MiB share and pick ``pinned``, rank 0's (1 MiB)
+    ``device``. No GPU here: the accelerator's capacity query is the one stand-in."""
+    from mechmon_megatron.session import snapshots
+
+    collective_guard.reset_guard(60.0)
+    snapshots.device_memory_bytes = lambda device: 2**30  # the GPU's capacity, the only stand-in
+    elements = (16 if rank == 1 else 1) * 2**20 // 4
+    budget = SnapshotBudget(heads_elements=elements, full_elements=0, shared=False, element_size=4,
+                            device=torch.device("cuda", 0))
+    site = AttentionSite(1, read_heads=lambda: None, read_full=lambda: None, snapshot_budget=budget)
+    config = MechmonConfig(enabled=True, interval=5, delta=5, full_matrix_dw=False, snapshot_max_device_share=0.01)
+    own = snapshots.choose_placement(config, budget.nbytes(False), budget.device)
+    session = MonitoringSession(config, [site], comm=TorchDistributedCommunicator())
+    return {"own": own, "placement": session.snapshots.placement}
+
+
 def _start_session() -> dict:
     wq, wk = torch.zeros(4, 8, 16), torch.zeros(2, 8, 16)
     sites = []
@@ -180,7 +198,8 @@ def main() -> int:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     for mode in modes:
-        row = {"raise": _raise, "count": _count, "startup": _startup, "tiers": _tiers}[mode](rank)
+        row = {"raise": _raise, "count": _count, "startup": _startup, "tiers": _tiers,
+               "placement": _placement}[mode](rank)
         with open(f"{out}.{mode}.rank{rank}.json", "w", encoding="utf-8") as f:
             json.dump(row, f)
     # No destroy_process_group: a group left out of step by the injected failure must not block the exit.

@@ -18,7 +18,7 @@ WORKER = REPO_ROOT / "tests" / "session" / "_guard_worker.py"
 TIMEOUT_S = 2.0  # the worker's --mechmon-collective-timeout
 
 
-MODES = ("count", "startup", "raise")  # one launch of two ranks; "raise" leaves the groups down: last
+MODES = ("count", "startup", "placement", "raise")  # one launch of two ranks; "raise" leaves the groups down: last
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +53,14 @@ def test_the_byte_counter_matches_a_hand_count(rows):
         expected = (8, 0) if rank == 1 else (0, 8)
         assert (row["broadcast"]["sent_bytes"], row["broadcast"]["received_bytes"]) == expected
         assert row["flag"] == 1 and row["reduce"]["calls"] == 1
+
+
+def test_the_snapshot_placement_is_one_decision_for_the_job(rows):
+    """Only rank 1's budget makes ``auto`` pick pinned host memory: every rank then uses it (the
+    most conservative proposal, in the start-up's one all-reduce)."""
+    rank0, rank1 = rows["placement"]
+    assert (rank0["own"], rank1["own"]) == ("device", "pinned")
+    assert rank0["placement"] == rank1["placement"] == "pinned"
 
 
 def test_a_rank_that_cannot_hold_its_snapshots_stops_every_rank_with_one_message(rows):
