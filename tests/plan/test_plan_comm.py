@@ -62,3 +62,23 @@ def test_llama3_70b_at_8192_ranks_is_in_the_plan():
 
 def test_one_rank_exchanges_nothing():
     assert check_comm_bytes(dataclasses.replace(TINY_MOE), ParallelLayout(tp=1, pp=1, dp=1))["writer"] == 0
+
+
+def test_the_plan_equals_the_recorded_measurement():
+    """``docs/data/check_comm/bench_check_comm.json`` (tools/bench_check_comm.py, the byte and
+    message counter of the real trainer's collectives, steady state): the planner's writer bytes,
+    largest other rank's bytes and the writer's peers equal what was measured at every world size."""
+    import json
+    from pathlib import Path
+
+    record = json.loads((Path(__file__).resolve().parents[2] / "docs" / "data" / "check_comm" /
+                         "bench_check_comm.json").read_text())
+    measured = [r for r in record["results"] if "summary" in r]
+    assert {r["ranks"] for r in measured} >= {2, 4}
+    for res in measured:
+        lay = res["layout"]
+        plan = check_comm_bytes(dataclasses.replace(TINY_MOE, global_batch_size=lay["dp"]),
+                                ParallelLayout(tp=lay["tp"], pp=lay["pp"], dp=lay["dp"]))
+        rec = res["summary"]["records"]
+        assert (rec["writer_bytes"], rec["max_other_bytes"], rec["writer_messages"]) == \
+            (plan["writer"], plan["per_rank"], plan["writer_messages"]), res["ranks"]
