@@ -84,7 +84,7 @@ def check_comm_bytes(shape: ModelShape, layout: ParallelLayout) -> dict:
                 "non_reporting_rank": None, "reporting_ranks": 1, "owners": 1, "writer_messages": 0,
                 "row_values": 0, "owner_row_values": 0}
     writer = (layout.pp - 1, layout.dp - 1, layout.tp - 1)  # Megatron's last rank writes
-    # Level 1: per TP group (p, d), its reporting ranks (tp index -> row numbers) and its owner.
+    # Level 1: per TP group (p, d), its reporting ranks (tp index -> row numbers).
     groups: dict[tuple[int, int], dict[int, int]] = {}
     for p in range(layout.pp):
         for d in range(layout.dp):
@@ -92,7 +92,7 @@ def check_comm_bytes(shape: ModelShape, layout: ParallelLayout) -> dict:
                 work = rank_work(shape, layout, p, d, t)
                 if reports(work) or (p, d, t) == writer:
                     groups.setdefault((p, d), {})[t] = payload_values(work, shape, layout)
-    owners = {key: (writer[2] if key == writer[:2] else min(members)) for key, members in groups.items()}
+    # Which member owns a group does not change its bytes: every row is padded to the group's longest.
     merged = {key: 2 + len(members) * (1 + max(members.values())) for key, members in groups.items()}
     width2 = max(merged.values())
     levels2 = len(groups) > 1

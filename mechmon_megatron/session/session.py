@@ -176,13 +176,14 @@ class MonitoringSession:
         layer and the flag, instead of stopping alone.
         """
         own = 0
+        problems: list[Optional[str]]
         try:
             own = PLACEMENTS.index(choose_placement(config, budget, device))
             layers = site_bytes(config, self.attention_sites)
             problems = [placement_problem(config, budget, device, p, layers) for p in PLACEMENTS]
         except Exception as exc:  # noqa: BLE001 -- agreed below, raised on every rank
-            message = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
-            problems = [message] * len(PLACEMENTS)
+            failed = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+            problems = [failed] * len(PLACEMENTS)
         agree = getattr(self.comm, "agree_startup", None)
         choice, first = agree(own, problems) if agree is not None else (
             own, None if problems[own] is None else (self.rank, problems[own]))
