@@ -21,6 +21,10 @@ This is the one module of the product that calls ``torch.distributed`` collectiv
   (:meth:`CollectiveGuard.agree_up`): every rank learns, by a ``False`` or by the same timeout,
   that a monitor collective failed, and turns the monitors off (or, under ``--mechmon-strict``,
   stops) at that step.
+* **Groups of mechmon's own without a host twin.** :meth:`~CollectiveGuard.declare_member` names
+  a group by membership (the ranks that report at a check); with a ``part`` (the rank's
+  tensor-parallel group) it is made in two levels (:class:`Tiers`: one group per part, and one of
+  the parts' leaders), so the check records travel to one owner per part, then to the writer.
 * **Agreement before the collective.** :meth:`CollectiveGuard.guarded` runs a rank's local
   preparation (a contiguous copy, receive buffers) under ``try`` and lets every rank of the group
   agree in one small all-reduce before anyone enters the collective: a local failure raises on

@@ -458,7 +458,8 @@ class MonitoringSession:
         """The check's records to the writer and its verdict back (``session/host.py``).
 
         1. every rank: its failure and error counts in one all-reduce (two float64);
-        2. the reporting ranks (and the writer) only: their payloads to the writer;
+        2. the reporting ranks (and the writer) only: their payloads to the writer, through the owner
+           of their tensor-parallel group where the host gives one (``gather_reports``);
         3. only when some rank failed: every rank's failure records to the writer;
         4. every rank: the verdict, one small tensor, plus the alerts when there is an alarm.
         """
