@@ -2,8 +2,10 @@
 
 Launches the example trainer (tiny MoE GPT, a few checks) under torchrun on 2, 4, 8 and 16 gloo
 processes on CPU and records, per check and per rank, the bytes that rank's monitor collectives
-sent and received and their wall time (the session's byte counter, ``CollectiveGuard.counter``:
-logical payload, what a rank contributes and what it obtains from other ranks). Layout: tensor
+sent and received, the peers it received from (``messages``: a gather's root counts each other
+rank of its group, a broadcast's receiver one; all-reduces count none) and their wall time (the
+session's byte counter, ``CollectiveGuard.counter``: logical payload, what a rank contributes and
+what it obtains from other ranks). Layout: tensor
 parallel 2 with sequence parallelism, pipeline 1, data parallel ``N / 2``: the layers' owners
 (per-head replica ``(L - 1) % dp``, full-matrix rank ``(L - 1) % (dp * tp)``, the routers' reporting
 rank) stay the same few ranks while the world grows, so a check's traffic should not grow with
@@ -13,7 +15,8 @@ rank) stay the same few ranks while the world grows, so a check's traffic should
 
 Each run is ``nice``'d; the JSON holds, per world size, every rank's per-check counts and a
 summary (``writer_bytes``: the writer rank's sent + received per check, ``max_other_bytes``: the
-largest over the other ranks, ``max_seconds``: the slowest rank's collective time per check).
+largest over the other ranks, ``writer_messages`` / ``max_other_messages``: the peers they received
+from, ``max_seconds``: the slowest rank's collective time per check).
 Timings on a shared machine are only indicative; the byte counts are exact.
 """
 
@@ -99,15 +102,19 @@ def summarize(ranks: dict[int, list[dict]], writer: int) -> dict[str, Any]:
             "median_other_bytes": round(statistics.median(others.values())) if others else 0,
             "min_other_bytes": round(min(others.values())) if others else 0,
             "max_seconds": round(max(seconds), 4) if seconds else 0.0,
+            "writer_messages": round(statistics.fmean(r[part].get("messages", 0) for r in ranks[writer])),
+            "max_other_messages": max((round(statistics.fmean(r[part].get("messages", 0) for r in rows))
+                                       for rank, rows in ranks.items() if rank != writer and rows), default=0),
         }
     return out
 
 
 def markdown(results: list[dict]) -> str:
     lines = ["| ranks | layout | records: writer B / check (planned) | records: largest other rank (planned) | "
-             "records: smallest other rank | records, first check: writer / largest other | reads: largest rank B / "
-             "check | slowest rank's collectives / check |",
-             "|---|---|---|---|---|---|---|---|"]
+             "records: smallest other rank | records: peers the writer receives from (planned) / largest other | "
+             "records, first check: writer / largest other | reads: largest rank B / check | "
+             "slowest rank's collectives / check |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         rec, rd, lay = res["summary"]["records"], res["summary"]["reads"], res["layout"]
         first, plan = res["summary"]["first_check"], res["planned"]
@@ -115,7 +122,8 @@ def markdown(results: list[dict]) -> str:
         seconds = rec["max_seconds"] + rd["max_seconds"]
         lines.append(f"| {res['ranks']} | TP {lay['tp']} x DP {lay['dp']} (SP) | {rec['writer_bytes']:,} "
                      f"({plan['writer']:,}) | {rec['max_other_bytes']:,} ({plan['per_rank']:,}) | "
-                     f"{rec['min_other_bytes']:,} | {first['writer_bytes']:,} / {first['max_other_bytes']:,} | "
+                     f"{rec['min_other_bytes']:,} | {rec['writer_messages']} ({plan['writer_messages']}) / "
+                     f"{rec['max_other_messages']} | {first['writer_bytes']:,} / {first['max_other_bytes']:,} | "
                      f"{reads:,} | {seconds * 1000:.1f} ms |")
     return "\n".join(lines)
 

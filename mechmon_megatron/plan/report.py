@@ -37,7 +37,7 @@ TARGET_SHARE = 0.01
 _DEFAULTS = MechmonConfig()
 WEIGHT_BYTES = {"main": 4, "model": 2}
 WEIGHT_DTYPES = {"main": torch.float32, "model": torch.bfloat16}
-COMPONENTS = ("attn_heads", "attn_full", "tp_gather", "main_param_allreduce", "snapshot_copy", "router_stats",
+COMPONENTS = ("attn_heads", "attn_full", "tp_gather", "main_param_gather", "snapshot_copy", "router_stats",
               "router_allreduce", "router_weights")
 
 
@@ -62,8 +62,10 @@ class PlanOptions:
     full_matrix_dw: bool = _DEFAULTS.full_matrix_dw
     distributed_optimizer: bool = False
     """Megatron's distributed optimizer shards the FP32 main parameters over DP: with
-    ``weights="main"`` every rank all-reduces each layer's TP-local ``linear_qkv`` weight (FP32)
-    over the data-parallel group on check and snapshot steps (``adapters/megatron_core/main_params.py``)."""
+    ``weights="main"`` the Q and K rows of each layer's TP-local ``linear_qkv`` weight (FP32) are
+    gathered over the data-parallel group to each replica that uses the layer (its per-head
+    replica, and its full-matrix replica), on check and snapshot steps
+    (``adapters/megatron_core/main_params.py``: one guarded ``gather`` per using replica)."""
     router_bins: int = _DEFAULTS.router_entropy_bins
     alpha: float = _DEFAULTS.alpha
     extra: dict = field(default_factory=dict)
@@ -131,10 +133,16 @@ class _Units:
         # Bytes a full-matrix owner receives in one TP gather (snapshot step and check step).
         self.gather_bytes = u.full_elements * self.wb * (layout.tp - 1) / layout.tp
         self.router_vector_bytes = 8 * ((shape.num_experts or 0) + opts.router_bins + 3)
-        # The TP-local linear_qkv weight (Q, K and V rows) in FP32: what the main-parameter reader
-        # of the distributed optimizer all-reduces over DP per layer.
-        qkv_rows = (shape.num_attention_heads + 2 * shape.num_query_groups) * shape.kv_channels
-        self.qkv_shard_bytes = 4 * qkv_rows * shape.hidden_size / layout.tp
+        # The Q and K rows of the TP-local linear_qkv weight in FP32 (all its rows when a query
+        # group spans TP ranks): what the main-parameter reader gathers to a using replica per layer.
+        ng, tp = shape.num_query_groups, layout.tp
+        if ng >= tp:
+            rows = (shape.num_attention_heads + ng) * shape.kv_channels / tp
+        else:
+            rows = (shape.num_attention_heads + 2 * ng) * shape.kv_channels / tp
+        self.qk_main_bytes = 4 * rows * shape.hidden_size
+        # A using replica receives every other DP rank's part: (dp - 1) / dp of those rows.
+        self.main_gather_bytes = self.qk_main_bytes * (layout.dp - 1) / layout.dp
         self.layers_per_stage = shape.num_layers // layout.pp
 
     def counts(self, cls: RankClass) -> dict[str, float]:
@@ -144,13 +152,28 @@ class _Units:
             "attn_heads": w.head_units,
             "attn_full": full,
             "tp_gather": 2 * full if self.layout.tp > 1 else 0,
-            "main_param_allreduce": (2 * self.layers_per_stage if self.opts.distributed_optimizer
-                                     and self.opts.weights == "main" and self.layout.dp > 1 else 0),
+            "main_param_gather": 2 * self.main_param_users(cls.example[0]),
             "snapshot_copy": 1 if (w.head_units or full) else 0,
             "router_stats": w.routers * self.micro_batches,
             "router_allreduce": w.routers,
             "router_weights": w.reporting_routers,
         }
+
+    def main_param_users(self, stage: int) -> int:
+        """Gathers of FP32 main Q/K rows per read on pipeline stage ``stage``: one per layer and
+        replica that uses the layer (per-head replica ``(L - 1) % dp``, full-matrix replica
+        ``((L - 1) % (dp * tp)) // tp`` when it differs); every DP rank takes part in each."""
+        if not (self.opts.distributed_optimizer and self.opts.weights == "main" and self.layout.dp > 1):
+            return 0
+        dp, tp = self.layout.dp, self.layout.tp
+        layers = range(stage * self.layers_per_stage + 1, (stage + 1) * self.layers_per_stage + 1)
+        users = 0
+        for layer in layers:
+            replicas = {(layer - 1) % dp}
+            if self.opts.full_matrix_dw:
+                replicas.add(((layer - 1) % (dp * tp)) // tp)
+            users += len(replicas)
+        return users
 
     def snapshot_elements(self, cls: RankClass, overlap: int) -> int:
         w = cls.work
@@ -174,7 +197,9 @@ def _estimated_unit_times(units: _Units) -> dict[str, float]:
                               gpu.launch_latency_s) for name, cost in units.cost.items()}
     times["tp_gather"] = gpu.link_time_s(units.gather_bytes)
     times["router_allreduce"] = gpu.allreduce_latency_s
-    times["main_param_allreduce"] = gpu.ring_allreduce_time_s(units.qkv_shard_bytes, units.layout.dp)
+    # One gather to a using replica: it receives (dp - 1) / dp of the rows over the network.
+    times["main_param_gather"] = (units.main_gather_bytes / (gpu.eff_link * gpu.network_bytes_per_s)
+                                  + gpu.allreduce_latency_s)
     times["snapshot_copy_per_byte"] = 2.0 / (gpu.eff_mem * gpu.hbm_bytes_per_s)  # read + write
     return times
 
@@ -265,7 +290,7 @@ def _components(
             reason = gpu_note
             if measured is not None and name == "snapshot_copy" and n:
                 reason += "; not measured: the copy does not fit in half the free device memory"
-            elif name in ("tp_gather", "router_allreduce", "main_param_allreduce"):
+            elif name in ("tp_gather", "router_allreduce", "main_param_gather"):
                 reason = f"communication, {gpu_note}"
             out[name] = _Component(est_unit, n, "estimated", None, f"{scaled} ({reason})")
     return out
@@ -279,8 +304,9 @@ def _scaled_note(name: str, n: float, units: _Units) -> str:
         "snapshot_copy": "one snapshot set per interval, scaled by this rank's bytes",
         "router_stats": f"x {n:g} (routers on the stage x {units.micro_batches} micro-batches of the check step)",
         "router_allreduce": f"x {n:g} all-reduces of {units.router_vector_bytes} bytes",
-        "main_param_allreduce": f"x {n:g} DP all-reduces of {units.qkv_shard_bytes / 2**20:.1f} MiB (every layer of "
-                                "the stage, on the check and the snapshot step)",
+        "main_param_gather": f"x {n:g} DP gathers of FP32 Q/K rows, {units.main_gather_bytes / 2**20:.1f} MiB to "
+                             "the using replica (per layer and using replica of the stage, on the check and the "
+                             "snapshot step)",
         "router_weights": f"x {n:g} routers this rank reports",
     }
     return notes[name]

@@ -21,6 +21,10 @@ This is the one module of the product that calls ``torch.distributed`` collectiv
   (:meth:`CollectiveGuard.agree_up`): every rank learns, by a ``False`` or by the same timeout,
   that a monitor collective failed, and turns the monitors off (or, under ``--mechmon-strict``,
   stops) at that step.
+* **Groups of mechmon's own without a host twin.** :meth:`~CollectiveGuard.declare_member` names
+  a group by membership (the ranks that report at a check); with a ``part`` (the rank's
+  tensor-parallel group) it is made in two levels (:class:`Tiers`: one group per part, and one of
+  the parts' leaders), so the check records travel to one owner per part, then to the writer.
 * **Agreement before the collective.** :meth:`CollectiveGuard.guarded` runs a rank's local
   preparation (a contiguous copy, receive buffers) under ``try`` and lets every rank of the group
   agree in one small all-reduce before anyone enters the collective: a local failure raises on
@@ -78,17 +82,23 @@ class CommCounter:
     received_bytes: int = 0
     seconds: float = 0.0
     calls: int = 0
+    messages: int = 0
+    """Peers whose own contribution reaches this rank as sent (not reduced on the way): a gather's
+    root counts its group's other ranks, an all-gather every rank the other ranks, a broadcast's
+    receiver one. An all-reduce counts none: what each rank receives there is the backend's
+    algorithm (a ring or a tree), its bytes are counted."""
 
-    def add(self, sent: int, received: int, seconds: float) -> None:
+    def add(self, sent: int, received: int, seconds: float, messages: int = 0) -> None:
         self.sent_bytes += int(sent)
         self.received_bytes += int(received)
         self.seconds += seconds
         self.calls += 1
+        self.messages += int(messages)
 
     def take(self) -> dict:
         """The counts so far (a dict for JSON), then zero."""
         out = asdict(self)
-        self.sent_bytes = self.received_bytes = self.calls = 0
+        self.sent_bytes = self.received_bytes = self.calls = self.messages = 0
         self.seconds = 0.0
         return out
 
@@ -107,6 +117,26 @@ class Members:
     its global ranks, sorted; made by :meth:`CollectiveGuard.create_declared`."""
 
     ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Tiers:
+    """A group of mechmon's own in two levels (e.g. the reporting ranks, by tensor-parallel group):
+    its members split into parts, each part with one leader; the leaders form the upper level.
+
+    ``parts``: ``(leader, part)`` per part, by leader's global rank; ``leaders``: every part's leader
+    (sorted); ``part`` / ``leader``: this rank's part and its leader (``Members(())`` and -1 on a rank
+    that is not a member). Made by :meth:`CollectiveGuard.create_declared`, the same on every rank.
+    """
+
+    parts: tuple[tuple[int, Members], ...]
+    leaders: Members
+    part: Members
+    leader: int
+
+    def part_of(self, leader: int) -> Members:
+        """The part whose leader is global rank ``leader``."""
+        return dict(self.parts)[leader]
 
 
 def group_size(group: Any) -> int:
@@ -155,6 +185,9 @@ class CollectiveGuard:
         self._declared: dict[tuple[int, ...], str] = {}
         self._membership: dict[str, bool] = {}
         self._members: dict[str, Members] = {}
+        self._parts: dict[str, tuple[tuple[int, ...], int]] = {}
+        """name -> (this rank's part label: the ranks of its host group, the leader it prefers)."""
+        self._tiers: dict[str, Tiers] = {}
 
     # ---------------------------------------------------------------- groups
     def configure(self, timeout_s: float) -> None:
@@ -171,9 +204,17 @@ class CollectiveGuard:
             return host_group.ranks
         return tuple(dist.get_process_group_ranks(host_group if host_group is not None else dist.group.WORLD))
 
-    def declare_member(self, name: str, member: bool) -> None:
-        """Whether this rank belongs to mechmon's group ``name`` (local; made by :meth:`create_declared`)."""
+    def declare_member(self, name: str, member: bool, part: Optional[tuple[int, ...]] = None,
+                       leader: int = -1) -> None:
+        """Whether this rank belongs to mechmon's group ``name`` (local; made by :meth:`create_declared`).
+
+        ``part`` (the global ranks of a host group, e.g. this rank's tensor-parallel group) makes
+        ``name`` a two-level group (:meth:`tiers`): the members with the same ``part`` form one
+        part, led by global rank ``leader`` when it is a member of it, else by its lowest member.
+        """
         self._membership[name] = bool(member)
+        if part is not None:
+            self._parts[name] = (tuple(int(r) for r in part), int(leader))
 
     def members(self, name: str) -> Members:
         """The ranks of group ``name`` as agreed at the session's start (:meth:`declare_member`)."""
@@ -181,6 +222,35 @@ class CollectiveGuard:
             me = dist.get_rank() if _distributed() else 0
             return Members((me,)) if self._membership.get(name, True) else Members(())
         return self._members[name]
+
+    def tiers(self, name: str) -> Tiers:
+        """The two-level layout of group ``name`` as agreed at the session's start (declared with a
+        ``part``); without torch.distributed, or before the start: this rank alone."""
+        if name in self._tiers:
+            return self._tiers[name]
+        me = dist.get_rank() if _distributed() else 0
+        alone = Members((me,))
+        return Tiers(parts=((me, alone),), leaders=alone, part=alone, leader=me)
+
+    @staticmethod
+    def _make_tiers(name: str, everyone: list, me: int) -> Tiers:
+        """The parts of ``name`` from every rank's ``(membership, parts)`` declarations (same on all ranks)."""
+        by_label: dict[tuple[int, ...], list[int]] = {}
+        preferred: dict[tuple[int, ...], int] = {}
+        for rank, (_, flags, parts) in enumerate(everyone):
+            if not dict(flags).get(name, False) or name not in dict(parts):
+                continue
+            label, leader = dict(parts)[name]
+            by_label.setdefault(label, []).append(rank)
+            preferred.setdefault(label, leader)
+        out: list[tuple[int, Members]] = []
+        for label in sorted(by_label):
+            ranks = tuple(sorted(by_label[label]))
+            out.append((preferred[label] if preferred[label] in ranks else ranks[0], Members(ranks)))
+        out.sort()
+        mine = [(leader, part) for leader, part in out if me in part.ranks]
+        leader, part = mine[0] if mine else (-1, Members(()))
+        return Tiers(parts=tuple(out), leaders=Members(tuple(leader for leader, _ in out)), part=part, leader=leader)
 
     def declare(self, host_group: Any = None) -> None:
         """This rank's monitors will communicate over ``host_group`` (None: the whole job); local,
@@ -199,14 +269,22 @@ class CollectiveGuard:
             return 0
         self.declare(None)
         everyone: list = [None] * group_size(None)
-        dist.all_gather_object(everyone, (sorted(self._declared.items()), sorted(self._membership.items())))
-        wanted = dict(item for declared, _ in everyone for item in declared)
+        dist.all_gather_object(everyone, (sorted(self._declared.items()), sorted(self._membership.items()),
+                                          sorted(self._parts.items())))
+        wanted = dict(item for declared, _, _ in everyone for item in declared)
         backend = str(dist.get_backend(None))
-        for name in sorted({name for _, flags in everyone for name, _ in flags}):
-            ranks = tuple(rank for rank, (_, flags) in enumerate(everyone) if dict(flags).get(name, False))
+        me = dist.get_rank()
+        for name in sorted({name for _, flags, _ in everyone for name, _ in flags}):
+            ranks = tuple(rank for rank, (_, flags, _) in enumerate(everyone) if dict(flags).get(name, False))
             self._members[name] = Members(ranks)
             if len(ranks) > 1:
                 wanted.setdefault(ranks, backend)
+            if any(name in dict(parts) for _, _, parts in everyone):
+                tiers = self._make_tiers(name, everyone, me)
+                self._tiers[name] = tiers
+                for group in (tiers.leaders, *(part for _, part in tiers.parts)):
+                    if len(group.ranks) > 1:
+                        wanted.setdefault(group.ranks, backend)
         made = 0
         for ranks in sorted(set(wanted) - set(self._groups)):
             self._groups[ranks] = dist.new_group(list(ranks), timeout=timedelta(seconds=self.timeout_s),
@@ -214,6 +292,7 @@ class CollectiveGuard:
             made += 1
         self._declared.clear()
         self._membership.clear()
+        self._parts.clear()
         return made
 
     def own(self, host_group: Any = None) -> Any:
@@ -235,7 +314,7 @@ class CollectiveGuard:
 
     # ---------------------------------------------------------------- the one path every collective takes
     def _run(self, what: str, host_group: Any, call: Callable[[Any], T], sent: int, received: int,
-             world: bool = False) -> T:
+             world: bool = False, messages: int = 0) -> T:
         if self.down is not None:
             raise CollectivesOff(f"{what}: skipped, mechmon's collectives are off on this rank ({self.down})")
         start = time.perf_counter()
@@ -248,7 +327,7 @@ class CollectiveGuard:
                 f"{what} failed or timed out (--mechmon-collective-timeout {self.timeout_s:g} s): "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        self.counter.add(sent, received, time.perf_counter() - start)
+        self.counter.add(sent, received, time.perf_counter() - start, messages)
         return out
 
     def all_ok(self, ok: bool, group: Any, what: str = "the agreement before a monitor collective") -> bool:
@@ -285,7 +364,8 @@ class CollectiveGuard:
             parts[0].copy_(tensor)
             return
         size = _nbytes(tensor)
-        self._run(what, group, lambda g: dist.all_gather(parts, tensor, group=g), size, (n - 1) * size)
+        self._run(what, group, lambda g: dist.all_gather(parts, tensor, group=g), size, (n - 1) * size,
+                  messages=n - 1)
 
     def all_reduce(self, tensor: torch.Tensor, group: Any, what: str, op: Any = None) -> torch.Tensor:
         """In-place ``dist.all_reduce`` (default SUM) over mechmon's copy of ``group``; returns ``tensor``."""
@@ -309,7 +389,7 @@ class CollectiveGuard:
             dist.gather(tensor, out, dst=self._global(group, g, dst_group_rank), group=g)
 
         self._run(what, group, call, 0 if out is not None else size, (n - 1) * size if out is not None else 0,
-                  world=group is None)
+                  world=group is None, messages=n - 1 if out is not None else 0)
         return out
 
     def gather_objects(self, obj: Any, dst_group_rank: int, group: Any, what: str) -> Optional[list]:
@@ -325,7 +405,8 @@ class CollectiveGuard:
             dst = self._global(group, g, dst_group_rank)
             dist.gather_object(obj, out, dst=dst, group=g)
 
-        self._run(what, group, call, 0 if out is not None else size, 0, world=group is None)
+        self._run(what, group, call, 0 if out is not None else size, 0, world=group is None,
+                  messages=n - 1 if out is not None else 0)
         if out is not None:  # what the writer received: every other rank's pickle
             self.counter.received_bytes += sum(len(pickle.dumps(o)) for i, o in enumerate(out) if i != me)
         return out
@@ -341,7 +422,7 @@ class CollectiveGuard:
             dist.broadcast_object_list(box, src=self._global(group, g, src_group_rank), group=g,
                                        device=group_device(group))
 
-        self._run(what, group, call, 0, 0, world=group is None)
+        self._run(what, group, call, 0, 0, world=group is None, messages=0 if me == src_group_rank else 1)
         size = len(pickle.dumps(box[0]))
         if me == src_group_rank:
             self.counter.sent_bytes += size
@@ -360,7 +441,7 @@ class CollectiveGuard:
             dist.broadcast(tensor, src=self._global(group, g, src_group_rank), group=g)
 
         self._run(what, group, call, size if me == src_group_rank else 0, 0 if me == src_group_rank else size,
-                  world=group is None)
+                  world=group is None, messages=0 if me == src_group_rank else 1)
         return tensor
 
     def barrier(self, group: Any, what: str) -> None:

@@ -7,7 +7,7 @@ records. The session never looks at host modules itself.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
@@ -179,8 +179,10 @@ class Communicator(Protocol):
         """The writer's verdict on every rank: one small tensor, plus its objects only when it
         carries any (an alarm's alerts, a strict stop)."""
 
-    def first_problem(self, problem: Optional[str]) -> Optional[tuple[int, str]]:
-        """Start-up: ``(rank, its problem)`` of the lowest rank that has one, on every rank (None: none)."""
+    def agree_startup(self, choice: int, problems: Sequence[Optional[str]]) -> tuple[int, Optional[tuple[int, str]]]:
+        """Start-up, every rank: the job's choice (the largest ``choice`` of any rank) and ``(rank,
+        its problem)`` of the lowest rank with a problem under that choice (``problems[c]``: this
+        rank's problem if the job chose ``c``; None: none), the same on every rank."""
 
 
 class LocalCommunicator:
@@ -205,8 +207,18 @@ class LocalCommunicator:
         assert verdict is not None  # the one rank is the writer
         return verdict
 
-    def first_problem(self, problem: Optional[str]) -> Optional[tuple[int, str]]:
-        return None if problem is None else (0, problem)
+    def agree_startup(self, choice: int, problems: Sequence[Optional[str]]) -> tuple[int, Optional[tuple[int, str]]]:
+        problem = problems[choice]
+        return choice, (None if problem is None else (0, problem))
+
+
+@dataclass
+class _SchemaCache:
+    """What one records path remembers between checks: the schema this rank sent last, and on
+    the writer each reporting rank's (by global rank)."""
+
+    sent: Optional[tuple] = None
+    received: dict[int, tuple] = field(default_factory=dict)
 
 
 class TorchDistributedCommunicator:
@@ -215,9 +227,14 @@ class TorchDistributedCommunicator:
     Megatron-LM's TensorBoard writer lives on the last rank, hence the default ``writer_rank=-1``.
     Every collective runs through this process's :class:`~mechmon_megatron.session.collective_guard.CollectiveGuard`
     (mechmon's own copy of ``group``, bounded by ``--mechmon-collective-timeout``).
+
+    ``owner_group``: the host group whose reporting ranks first send their records to one owner
+    (the tensor-parallel group: :meth:`gather_reports` in two levels); None: every reporting rank
+    sends straight to the writer (one level; DeepSpeed, which has no tensor parallelism).
     """
 
-    def __init__(self, group: Any = None, writer_rank: int = -1, device: Optional[torch.device] = None) -> None:
+    def __init__(self, group: Any = None, writer_rank: int = -1, device: Optional[torch.device] = None,
+                 owner_group: Any = None) -> None:
         import torch.distributed as dist
 
         self.guard = collective_guard.guard()
@@ -231,12 +248,19 @@ class TorchDistributedCommunicator:
         self._world = world
         self._global_writer = writer_rank % world if group is None else dist.get_global_rank(group, self.writer_rank)
         self.reports = True
-        self._sent_schema: Optional[tuple] = None  # the payload structure this rank sent last
-        self._schemas: dict[int, tuple] = {}  # the writer's: each reporting rank's last structure
+        self._owner_ranks: Optional[tuple[int, ...]] = (
+            None if owner_group is None else tuple(dist.get_process_group_ranks(owner_group)))
+        self._direct = _SchemaCache()  # one level: straight to the writer
+        self._tiered = _SchemaCache()  # two levels: to the owner, then owners to the writer
+
+    @property
+    def two_level(self) -> bool:
+        """Whether :meth:`gather_reports` goes through the owners of the owner groups."""
+        return self._owner_ranks is not None
 
     def set_reporting(self, reports: bool) -> None:
         self.reports = bool(reports) or self.is_writer
-        self.guard.declare_member(REPORTING, self.reports)
+        self.guard.declare_member(REPORTING, self.reports, part=self._owner_ranks, leader=self._global_writer)
 
     def sum_over_ranks(self, values: Sequence[float]) -> list[float]:
         work = torch.tensor([float(v) for v in values], dtype=torch.float64,
@@ -245,7 +269,14 @@ class TorchDistributedCommunicator:
         return [float(v) for v in work.tolist()]
 
     def gather_reports(self, payload: Any) -> Optional[list]:
-        """The reporting ranks' payloads on the writer, as numbers (``session/payload_codec.py``):
+        """The reporting ranks' payloads on the writer, in global rank order (None elsewhere).
+
+        Two levels with an owner group (:meth:`gather_tiered`), else one (:meth:`gather_direct`);
+        both decode to the same list."""
+        return self.gather_tiered(payload) if self.two_level else self.gather_direct(payload)
+
+    def gather_direct(self, payload: Any) -> Optional[list]:
+        """One level: every reporting rank's row straight to the writer (``session/payload_codec.py``):
 
         1. one all-reduce (MAX) over the reporting ranks: the longest row, and whether any rank
            has objects to send (a changed schema, a non-finite report, a stream beyond its limit);
@@ -253,32 +284,71 @@ class TorchDistributedCommunicator:
         3. only when some rank has objects: one object gather of them.
         """
         members = self.guard.members(REPORTING)
-        dst = members.ranks.index(self._global_writer)
         what = "the reporting ranks' records to the writer"
-        schema, values, extras = payload_codec.encode(payload)
-        changed = schema != self._sent_schema
-        objects = {"schema": schema, **extras} if changed else extras
-        device = collective_guard.group_device(None)
-        head = torch.tensor([len(values), 1 if objects else 0], dtype=torch.float64, device=device)
-        self.guard.all_reduce(head, members, what, op=_max_op())
-        width, any_objects = int(head[0].item()), bool(head[1].item())
-        row = torch.zeros(2 + width, dtype=torch.float64)
-        row[0], row[1] = len(values), 1 if objects else 0
-        row[2 : 2 + len(values)] = torch.tensor(values, dtype=torch.float64)
-        rows = self.guard.gather(row.to(device), dst, members, what)
-        sent = self.guard.gather_objects(objects or None, dst, members, what) if any_objects else None
-        self._sent_schema = schema
-        if rows is None:
+        values, objects = self._encode(payload, self._direct)
+        got = _gather_rows(self.guard, values, objects, members, self._global_writer, what)
+        if got is None:
+            return None
+        rows, sent = got
+        return sorted((self._decode(rank, row, extra, self._direct) for rank, row, extra in
+                       zip(members.ranks, rows, sent)), key=lambda p: p.rank)
+
+    def gather_tiered(self, payload: Any) -> Optional[list]:
+        """Two levels: each owner group's reporting ranks to its owner, then the owners to the writer.
+
+        Level 1, over the reporting ranks of this rank's owner group (its tensor-parallel group),
+        to their owner (the writer where it is one of them, else the lowest): the exchange of
+        :meth:`gather_direct`. The owner concatenates its members' numbers into one row of a fixed
+        layout ``[members, 1 + W, (n, values, pad to W) per member]`` (``W``: the longest member's
+        count). Level 2, over the owners, to the writer: the same exchange with those rows, objects
+        (each member's, in member order) only when some member had any. The writer splits each
+        owner's row by member. Every rank then waits on at most its own owner group and the owners."""
+        tiers = self.guard.tiers(REPORTING)
+        values, objects = self._encode(payload, self._tiered)
+        what = "the reporting ranks' records to their owner"
+        first = _gather_rows(self.guard, values, objects, tiers.part, tiers.leader, what)
+        if first is None:
+            return None
+        rows, sent = first
+        width = max((len(r) for r in rows), default=0)
+        merged = [float(len(rows)), float(1 + width)]
+        for r in rows:
+            merged += [float(len(r)), *r] + [0.0] * (width - len(r))
+        carried = sent if any(sent) else None
+        second = _gather_rows(self.guard, merged, carried, tiers.leaders, self._global_writer,
+                              "the owners' records to the writer")
+        if second is None:
             return None
         out = []
-        for index, received in enumerate(rows):
-            received = received.cpu()
-            extra = (sent[index] if sent is not None else None) or {}
-            if "schema" in extra:
-                self._schemas[index] = extra["schema"]
-            count = int(received[0].item())
-            out.append(payload_codec.decode(self._schemas[index], received[2 : 2 + count].tolist(), extra))
-        return out
+        for leader, owner_row, owner_objects in zip(tiers.leaders.ranks, *second):
+            part = tiers.part_of(leader)
+            count, width = int(owner_row[0]), int(owner_row[1])
+            if count != len(part.ranks):
+                raise ValueError(f"mechmon: the owner rank {leader} forwarded {count} members' records, its group "
+                                 f"has {len(part.ranks)}")
+            extras = owner_objects or [None] * count
+            for index, rank in enumerate(part.ranks):
+                block = owner_row[2 + index * width : 2 + (index + 1) * width]
+                block = block[1 : 1 + int(block[0])]
+                out.append(self._decode(rank, block, extras[index], self._tiered))
+        return sorted(out, key=lambda p: p.rank)
+
+    @staticmethod
+    def _encode(payload: Any, cache: _SchemaCache) -> tuple[list[float], Optional[dict]]:
+        """This rank's numbers and its objects (None when it has none: schema unchanged, no alarm)."""
+        schema, values, extras = payload_codec.encode(payload)
+        changed = schema != cache.sent
+        objects = {"schema": schema, **extras} if changed else extras
+        cache.sent = schema
+        return values, (objects or None)
+
+    @staticmethod
+    def _decode(rank: int, values: list[float], extra: Optional[dict], cache: _SchemaCache) -> Any:
+        """The payload of global rank ``rank`` from its numbers and objects (the writer's)."""
+        extra = extra or {}
+        if "schema" in extra:
+            cache.received[rank] = extra["schema"]
+        return payload_codec.decode(cache.received[rank], values, extra)
 
     def gather_to_writer(self, obj: Any) -> Optional[list]:
         return self.guard.gather_objects(obj, self.writer_rank, self._group, "the failure records to the writer")
@@ -296,17 +366,46 @@ class TorchDistributedCommunicator:
             self.writer_rank, self._group, "the alarm's alert records")
         return Verdict(alarm=alarm, alerts=list(alerts), stop=stop)
 
-    def first_problem(self, problem: Optional[str]) -> Optional[tuple[int, str]]:
-        """One int64 all-reduce (MIN of the ranks with a problem); the lowest such rank then
-        broadcasts its message, so every rank raises the same one."""
-        flag = torch.tensor([self.rank if problem is not None else self._world], dtype=torch.int64,
-                            device=collective_guard.group_device(self._group))
+    def agree_startup(self, choice: int, problems: Sequence[Optional[str]]) -> tuple[int, Optional[tuple[int, str]]]:
+        """One int64 all-reduce (MIN) of ``[-choice, first problem rank under choice c for every c]``:
+        the negated choice makes the MIN a MAX (the job takes the largest); the lowest rank with a
+        problem under that choice then broadcasts its message, so every rank raises the same one."""
+        flag = torch.tensor([-int(choice), *(self.rank if p is not None else self._world for p in problems)],
+                            dtype=torch.int64, device=collective_guard.group_device(self._group))
         self.guard.all_reduce(flag, self._group, "the start-up agreement", op=_min_op())
-        first = int(flag.item())
+        agreed = -int(flag[0].item())
+        first = int(flag[1 + agreed].item())
         if first >= self._world:
-            return None
-        message = self.guard.broadcast_object(problem, first, self._group, "the start-up refusal")
-        return first, str(message)
+            return agreed, None
+        message = self.guard.broadcast_object(problems[agreed], first, self._group, "the start-up refusal")
+        return agreed, (first, str(message))
+
+
+def _gather_rows(guard: collective_guard.CollectiveGuard, values: list[float], objects: Optional[Any],
+                 group: collective_guard.Members, dst: int, what: str) -> Optional[tuple[list[list[float]], list]]:
+    """Every rank of ``group``'s numbers (counts may differ) and objects on its global rank ``dst``.
+
+    1. one all-reduce (MAX) over ``group``: ``[longest count W, any rank has objects]`` (two float64);
+    2. one gather of every rank's float64 row ``[n, has_objects, values, pad]`` (``2 + W`` numbers);
+    3. only when some rank has objects: one object gather of them.
+
+    On ``dst``: every rank's numbers (cut to its own ``n``) and objects (None where it had none),
+    in ``group`` order; None elsewhere.
+    """
+    root = group.ranks.index(dst)
+    device = collective_guard.group_device(None)
+    head = torch.tensor([len(values), 1 if objects is not None else 0], dtype=torch.float64, device=device)
+    guard.all_reduce(head, group, what, op=_max_op())
+    width, any_objects = int(head[0].item()), bool(head[1].item())
+    row = torch.zeros(2 + width, dtype=torch.float64)
+    row[0], row[1] = len(values), 1 if objects is not None else 0
+    row[2 : 2 + len(values)] = torch.tensor(values, dtype=torch.float64)
+    rows = guard.gather(row.to(device), root, group, what)
+    sent = guard.gather_objects(objects, root, group, what) if any_objects else None
+    if rows is None:
+        return None
+    cut = [r.cpu()[2 : 2 + int(r[0].item())].tolist() for r in rows]
+    return cut, (list(sent) if sent is not None else [None] * len(cut))
 
 
 def _min_op() -> Any:

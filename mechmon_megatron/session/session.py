@@ -50,9 +50,11 @@ from mechmon_megatron.session.host import AttentionSite, Communicator, LocalComm
 from mechmon_megatron.session.records import CheckOutput, Payload, Verdict, merge_partials
 from mechmon_megatron.session.router_check import empty_vector, local_router_vector, router_output
 from mechmon_megatron.session.snapshots import (
+    PLACEMENTS,
     SnapshotStore,
+    choose_placement,
     describe_budget,
-    resolve_placement,
+    placement_problem,
     site_bytes,
     snapshot_bytes,
     weights_device,
@@ -165,22 +167,36 @@ class MonitoringSession:
         return any(router.reports for router in self.router_sites)
 
     def _agreed_placement(self, config: MechmonConfig, budget: Optional[int], device: torch.device) -> str:
-        """This rank's snapshot placement, after every rank agreed that all can start (one all-reduce).
+        """The job's snapshot placement, after every rank agreed that all can start (one all-reduce).
 
-        A rank whose snapshots cannot fit (or whose start-up raised) makes every rank raise the
-        same ``ValueError``, naming that rank, the layer and the flag, instead of stopping alone.
+        Each rank proposes its own placement (``auto``: from its own budget) and says, for every
+        placement, whether its snapshots would fit there; the job takes the most conservative
+        proposal (``snapshots.PLACEMENTS``), and a rank whose snapshots cannot fit there (or whose
+        start-up raised) makes every rank raise the same ``ValueError``, naming that rank, the
+        layer and the flag, instead of stopping alone.
         """
-        placement = "device"
-        problem: Optional[str] = None
+        own = 0
+        problems: list[Optional[str]]
         try:
-            placement = resolve_placement(config, budget, device, layers=site_bytes(config, self.attention_sites))
+            own = PLACEMENTS.index(choose_placement(config, budget, device))
+            layers = site_bytes(config, self.attention_sites)
+            problems = [placement_problem(config, budget, device, p, layers) for p in PLACEMENTS]
         except Exception as exc:  # noqa: BLE001 -- agreed below, raised on every rank
-            problem = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
-        first = self.comm.first_problem(problem) if hasattr(self.comm, "first_problem") else (
-            None if problem is None else (self.rank, problem))
+            failed = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+            problems = [failed] * len(PLACEMENTS)
+        agree = getattr(self.comm, "agree_startup", None)
+        choice, first = agree(own, problems) if agree is not None else (
+            own, None if problems[own] is None else (self.rank, problems[own]))
         if first is not None:
             rank, message = first
             raise ValueError(f"mechmon cannot start on every rank: rank {rank}: {message} (every rank stops)")
+        placement = PLACEMENTS[choice]
+        if placement == "pinned" and device.type != "cuda":  # page-locked memory needs CUDA here
+            placement = "cpu"
+        if choice != own:
+            logger.info("[mechmon] snapshots: --mechmon-snapshot-device %s is %s on rank %d, %s on another rank: "
+                        "every rank uses %s", config.snapshot_device, PLACEMENTS[own], self.rank, placement,
+                        placement)
         return placement
 
     @property
@@ -237,7 +253,7 @@ class MonitoringSession:
             agreement = self.guard.counter.take()
             last = self.last_check_comm
             if last is not None and last["iteration"] == iteration:  # the check's end-of-step agreement
-                for key in ("sent_bytes", "received_bytes", "seconds", "calls"):
+                for key in ("sent_bytes", "received_bytes", "seconds", "calls", "messages"):
                     last["records"][key] += agreement[key]
             if off is not None:
                 decision = off
@@ -442,7 +458,8 @@ class MonitoringSession:
         """The check's records to the writer and its verdict back (``session/host.py``).
 
         1. every rank: its failure and error counts in one all-reduce (two float64);
-        2. the reporting ranks (and the writer) only: their payloads to the writer;
+        2. the reporting ranks (and the writer) only: their payloads to the writer, through the owner
+           of their tensor-parallel group where the host gives one (``gather_reports``);
         3. only when some rank failed: every rank's failure records to the writer;
         4. every rank: the verdict, one small tensor, plus the alerts when there is an alarm.
         """

@@ -71,6 +71,16 @@ def host_memory_share() -> int:
     return host_memory_bytes() // local_world_size()
 
 
+PLACEMENTS = ("device", "pinned", "cpu")
+"""Snapshot placements, from the one that uses the accelerator's memory to the most conservative
+(host memory, pageable): the job takes the most conservative one any rank's ``auto`` picks."""
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """The accelerator's memory (bytes) of a CUDA ``device``."""
+    return int(torch.cuda.get_device_properties(device).total_memory)
+
+
 def resolve_placement(config: MechmonConfig, nbytes: Optional[int], device: torch.device,
                       layers: Sequence[tuple[int, int]] = ()) -> str:
     """``device``, ``cpu`` or ``pinned`` for this rank (``auto`` resolved, CPU jobs: host memory).
@@ -79,6 +89,25 @@ def resolve_placement(config: MechmonConfig, nbytes: Optional[int], device: torc
     budget overflows) when it cannot fit where it must go: half of the accelerator's memory, or
     half of this rank's share of the host's memory (``host_memory_share``).
     """
+    placement = choose_placement(config, nbytes, device)
+    _check_fits(config, nbytes, device, placement, layers)
+    return placement
+
+
+def placement_problem(config: MechmonConfig, nbytes: Optional[int], device: torch.device, placement: str,
+                      layers: Sequence[tuple[int, int]] = ()) -> Optional[str]:
+    """Why this rank's snapshots cannot go to ``placement`` (the message of :func:`resolve_placement`'s
+    ``ValueError``), or None when they fit there."""
+    try:
+        _check_fits(config, nbytes, device, placement, layers)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def choose_placement(config: MechmonConfig, nbytes: Optional[int], device: torch.device) -> str:
+    """This rank's own placement for ``--mechmon-snapshot-device`` (``auto``: ``pinned`` when the
+    snapshots exceed ``snapshot_max_device_share`` of the accelerator, else ``device``); no fit check."""
     setting = config.snapshot_device
     if device.type != "cuda":
         if setting == "pinned":
@@ -88,10 +117,9 @@ def resolve_placement(config: MechmonConfig, nbytes: Optional[int], device: torc
     elif setting != "auto":
         placement = setting
     else:
-        total = torch.cuda.get_device_properties(device).total_memory
+        total = device_memory_bytes(device)
         big = nbytes is not None and nbytes > config.snapshot_max_device_share * total
         placement = "pinned" if big else "device"
-    _check_fits(config, nbytes, device, placement, layers)
     return placement
 
 
@@ -100,7 +128,7 @@ def _check_fits(config: MechmonConfig, nbytes: Optional[int], device: torch.devi
     if nbytes is None:
         return
     on_device = placement == "device" and device.type == "cuda"
-    capacity = torch.cuda.get_device_properties(device).total_memory if on_device else host_memory_share()
+    capacity = device_memory_bytes(device) if on_device else host_memory_share()
     if nbytes > 0.5 * capacity:
         ranks = local_world_size()
         where = (f"{device} ({capacity / MIB:.0f} MiB)" if on_device else

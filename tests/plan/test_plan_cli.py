@@ -135,12 +135,22 @@ def test_a_unit_too_large_for_memory_is_measured_reduced_and_scaled(monkeypatch,
         assert comps[name]["label"] == "measured" and "[reduced to fit memory; scaled x" in comps[name]["measured"]
 
 
-def test_distributed_optimizer_adds_the_main_parameter_all_reduce(capsys):
+def test_distributed_optimizer_adds_the_main_parameter_gathers(capsys):
     base = ["--model", "llama3-70b", "--tp", "8", "--pp", "4", "--dp", "32", "--no-measure", "--json"]
     _, out, _ = _run([*base, "--distributed-optimizer"], capsys)
-    comp = json.loads(out)["check_time_s_per_rank"]["components"]["main_param_allreduce"]
-    assert comp["units"] == 2 * 20 and comp["time_s"] > 0 and comp["label"] == "estimated"
+    report = json.loads(out)
+    comps = report["check_time_s_per_rank"]["components"]
+    assert "main_param_allreduce" not in comps  # the all-reduce of the whole shard is gone (issue 21)
+    comp = comps["main_param_gather"]
+    # 20 layers per stage, each gathered to its per-head replica and its full-matrix replica
+    # (L - 1) % 32 and ((L - 1) % 256) // 8 differ for every layer of the stage but the first of
+    # stage 0 (both 0): 2 reads x (20 x 2 - 1) on stage 0, the most loaded rank's stage here.
+    stage = report["check_time_s_per_rank"]["rank"]["pp"]
+    users = sum(len({(L - 1) % 32, ((L - 1) % 256) // 8}) for L in range(20 * stage + 1, 20 * stage + 21))
+    assert comp["units"] == 2 * users and comp["time_s"] > 0 and comp["label"] == "estimated"
+    # Q and K rows only (64 + 8 heads of 128 of hidden 8192, / TP 8, FP32), 31/32 of them received.
+    assert f"{4 * 72 * 128 * 8192 / 8 * 31 / 32 / 2**20:.1f} MiB" in comp["scaled"]
     _, out, _ = _run([*base, "--distributed-optimizer", "--weights", "model"], capsys)
-    assert json.loads(out)["check_time_s_per_rank"]["components"]["main_param_allreduce"]["units"] == 0
+    assert json.loads(out)["check_time_s_per_rank"]["components"]["main_param_gather"]["units"] == 0
     _, out, _ = _run(base, capsys)
-    assert json.loads(out)["check_time_s_per_rank"]["components"]["main_param_allreduce"]["units"] == 0
+    assert json.loads(out)["check_time_s_per_rank"]["components"]["main_param_gather"]["units"] == 0

@@ -9,7 +9,13 @@
   patched there only); every rank records how long it took and what the end-of-step agreement said;
 * ``count``: one all-gather, one all-reduce, one object gather and broadcast; the byte counter;
 * ``startup``: a session whose rank 1 has a host-memory share too small for its snapshots
-  (``LOCAL_WORLD_SIZE`` huge there): every rank records the error it raised.
+  (``LOCAL_WORLD_SIZE`` huge there): every rank records the error it raised;
+* ``placement``: a session whose rank 1 only has a host-memory share that makes ``auto`` pick
+  ``pinned`` (the other rank's would pick ``device``): every rank records the placement it uses;
+* ``tiers`` (4 ranks, tensor-parallel pairs {0, 1} and {2, 3}, writer 3; rank 2 does not report):
+  three checks of records through the owners and straight to the writer, every rank's decoded
+  payloads and byte counts, then a gather that raises at the call on rank 1 (the first level:
+  rank 1 to its owner 0); every rank records how long it took and the end-of-step agreement.
 """
 
 from __future__ import annotations
@@ -26,7 +32,14 @@ import torch.distributed as dist
 from mechmon_megatron.session import collective_guard
 from mechmon_megatron.session.collective_guard import CollectiveFailure, CollectivesOff
 from mechmon_megatron.session.config import MechmonConfig
-from mechmon_megatron.session.host import AttentionSite, QKWeights, SnapshotBudget, TorchDistributedCommunicator
+from mechmon_megatron.session.host import (
+    REPORTING,
+    AttentionSite,
+    QKWeights,
+    SnapshotBudget,
+    TorchDistributedCommunicator,
+)
+from mechmon_megatron.session.records import NonFinite, Partial, Payload, Stream
 from mechmon_megatron.session.session import MonitoringSession
 
 TIMEOUT_S = 2.0
@@ -83,6 +96,24 @@ def _startup(rank: int) -> dict:
         os.environ.pop("LOCAL_WORLD_SIZE", None)
 
 
+def _placement(rank: int) -> dict:
+    """``auto`` on a (stand-in) 1 GiB accelerator with ``snapshot_max_device_share`` 0.01: rank 1's
+    snapshots (one layer of 16 MiB) exceed its 10 MiB share and pick ``pinned``, rank 0's (1 MiB)
+    ``device``. No GPU here: the accelerator's capacity query is the one stand-in."""
+    from mechmon_megatron.session import snapshots
+
+    collective_guard.reset_guard(60.0)
+    snapshots.device_memory_bytes = lambda device: 2**30  # the GPU's capacity, the only stand-in
+    elements = (16 if rank == 1 else 1) * 2**20 // 4
+    budget = SnapshotBudget(heads_elements=elements, full_elements=0, shared=False, element_size=4,
+                            device=torch.device("cuda", 0))
+    site = AttentionSite(1, read_heads=lambda: None, read_full=lambda: None, snapshot_budget=budget)
+    config = MechmonConfig(enabled=True, interval=5, delta=5, full_matrix_dw=False, snapshot_max_device_share=0.01)
+    own = snapshots.choose_placement(config, budget.nbytes(False), budget.device)
+    session = MonitoringSession(config, [site], comm=TorchDistributedCommunicator())
+    return {"own": own, "placement": session.snapshots.placement}
+
+
 def _start_session() -> dict:
     wq, wk = torch.zeros(4, 8, 16), torch.zeros(2, 8, 16)
     sites = []
@@ -99,12 +130,76 @@ def _start_session() -> dict:
         return {"error": str(exc)}
 
 
+def _payload(rank: int, check: int) -> Payload:
+    """A reporting rank's records at check ``check``: rank-dependent sizes, a limit, and at the
+    third check a non-finite report and a stream beyond its limit on rank 1 (objects at level 1)."""
+    streams = [Stream(name=f"mechmon/attn/delta2_entropy/layer_{rank}/head_{h}", family="attn_delta2",
+                      value=0.1 * rank + h + check / 7, layer_number=rank + 1, member=f"head_{h}", head=h)
+               for h in range(rank + 1)]
+    alarm = check == 2 and rank == 1
+    streams.append(Stream(name=f"mechmon/router/token_entropy/layer_{rank}", family="router_entropy",
+                          value=0.5 if alarm else 2.0 + rank, layer_number=rank + 1, limit=1.0,
+                          limit_reason="below the entropy floor" if alarm else ""))
+    scalars = [{f"mechmon/attn/x/layer_{rank}": Partial("mean", 1.5 * rank + check, 2.0),
+                "mechmon/attn/m": Partial("min", -float(rank) / 3)}]
+    nonfinite = [NonFinite(rank + 1, "inf in W_q")] if alarm else []
+    return Payload(rank=rank, layers={"attn_delta2": [rank + 1]}, scalars=scalars, streams=streams,
+                   nonfinite=nonfinite, overhead_s=0.001 * (rank + 1) * (check + 1))
+
+
+def _tiers(rank: int) -> dict:
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # the host's tensor-parallel groups
+    tp = pairs[rank // 2]
+    reports = rank != 2
+    guard = collective_guard.reset_guard(60.0)  # healthy collectives: no timeout on a loaded machine
+    comm = TorchDistributedCommunicator(owner_group=tp)
+    comm.set_reporting(reports)
+    guard.create_declared()
+    tiers = guard.tiers(REPORTING)
+    row: dict = {"leaders": list(tiers.leaders.ranks), "part": list(tiers.part.ranks), "leader": tiers.leader,
+                 "checks": []}
+    for check in range(3):
+        if not reports:
+            continue
+        payload = _payload(rank, check)
+        guard.counter.take()
+        direct = comm.gather_direct(payload)
+        one = guard.counter.take()
+        tiered = comm.gather_tiered(payload)
+        two = guard.counter.take()
+        row["checks"].append({"direct": None if direct is None else [repr(p) for p in direct],
+                              "tiered": None if tiered is None else [repr(p) for p in tiered],
+                              "expected": [repr(_payload(r, check)) for r in (0, 1, 3)],
+                              "one_level": one, "two_level": two})
+    # The first level raises at the call on rank 1 (dist.gather, rank 1 to its owner 0).
+    guard = collective_guard.reset_guard(TIMEOUT_S)
+    comm = TorchDistributedCommunicator(owner_group=tp)
+    comm.set_reporting(reports)
+    guard.create_declared()
+    if rank == 1:
+        def failing(*args, **kwargs):
+            raise RuntimeError("injected transport error at the call")
+
+        dist.gather = failing
+    start = time.perf_counter()
+    error = ""
+    if reports:
+        try:
+            comm.gather_tiered(_payload(rank, 0))
+        except CollectiveFailure as exc:
+            error = str(exc)
+    up = guard.agree_up()
+    row["raise"] = {"error": error, "up": up, "seconds": time.perf_counter() - start, "down": guard.down}
+    return row
+
+
 def main() -> int:
     modes, out = sys.argv[1].split(","), sys.argv[2]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     for mode in modes:
-        row = {"raise": _raise, "count": _count, "startup": _startup}[mode](rank)
+        row = {"raise": _raise, "count": _count, "startup": _startup, "tiers": _tiers,
+               "placement": _placement}[mode](rank)
         with open(f"{out}.{mode}.rank{rank}.json", "w", encoding="utf-8") as f:
             json.dump(row, f)
     # No destroy_process_group: a group left out of step by the injected failure must not block the exit.

@@ -200,6 +200,7 @@ class MechmonDeepSpeed:
             self.session = MonitoringSession(config)  # disabled: allocates nothing, no hooks
             return
         self._validate_abort_inputs()  # bad input is refused here, before any hook or allocation
+        # No tensor parallelism here: the reporting ranks send their records straight to the writer (one level).
         self.comm = TorchDistributedCommunicator(writer_rank=WRITER_RANK) if _distributed() else LocalCommunicator()
         model = engine.module
         self._attention_sites = self._build_attention_sites(model) if "attn" in config.monitors else []

@@ -126,7 +126,8 @@ def build_mcore_session(
         else:
             reduce_group = ps.get_data_parallel_group(with_context_parallel=True)
         dp_group = ps.get_data_parallel_group(with_context_parallel=True)
-        comm = TorchDistributedCommunicator(writer_rank=writer_rank)
+        # The records travel to one owner per TP group first, then the owners to the writer.
+        comm = TorchDistributedCommunicator(writer_rank=writer_rank, owner_group=tp_group)
     else:
         tp_group, dp_rank, dp, tp_rank, reduce_group, dp_group = None, 0, 1, 0, None, None
         comm = LocalCommunicator()
