@@ -156,7 +156,8 @@ def run_short_window_study(
                 "first_alarm": first, "first_family": family,
                 "by_family": {f: replay.first_alarm.get(f) for f in families},
                 "attention": attn, "attention_lead_share": lead_share(attn, entry["divergence"], onset),
-                "alarms": [[a.step, a.family, a.level, a.kind] for a in replay.alarms],
+                "alarms": [[a.step, a.family, a.level, a.kind, list(a.layers)] for a in replay.alarms],
+                "first_layers": first_layers(replay.alarms, first, family),
             }
             entry["max_logit_rule_lead_share"] = lead_share(entry["max_logit_rule"], entry["divergence"], onset)
     return out
@@ -173,6 +174,20 @@ def _later(a: Optional[int], b: Optional[int]) -> bool:
     if a is None:
         return b is not None
     return b is not None and a > b
+
+
+def first_layers(alarms: Sequence[Any], step: Optional[int], family: Optional[str]) -> list[int]:
+    """The layers the first alarm names: those of its layer-level alarms at ``step``, else the
+    layers that carry its family-level alarm (``PooledAlarm.layers``)."""
+    fired = [a for a in alarms if a.step == step and a.family == family]
+    own = [a for a in fired if a.level == "layer"] or fired
+    return sorted({n for a in own for n in a.layers})
+
+
+def _layers(design_entry: Mapping[str, Any]) -> str:
+    """`` (L2, L3)``: the layers the first alarm names (empty when none)."""
+    layers = design_entry.get("first_layers") or []
+    return f" (L{', L'.join(str(n) for n in layers)})" if layers else ""
 
 
 def _after(entry: Mapping[str, Any], design: str) -> str:
@@ -246,8 +261,9 @@ def markdown(results: Mapping[str, Any], held_out_seeds: Sequence[int] = ()) -> 
         beats = "-" if first is None else ("yes" if rule is None or first <= rule else "no")
         mark = " (held out)" if e["seed"] in held_out_seeds else ""
         lines.append(
-            f"| {run_id}{mark} | {rel(e['divergence'])} | {rel(lo['first_alarm'])} {lo['first_family'] or ''} "
-            f"| {rel(first)} {ls['first_family'] or ''} | {rel(ls['by_family']['attn_delta2'])} "
+            f"| {run_id}{mark} | {rel(e['divergence'])} | {rel(lo['first_alarm'])} {lo['first_family'] or ''}"
+            f"{_layers(lo)} | {rel(first)} {ls['first_family'] or ''}{_layers(ls)} "
+            f"| {rel(ls['by_family']['attn_delta2'])} "
             f"| {rel(ls['by_family'][SHORT])} | {rel(ls['by_family']['attn_dw'])} | {rel(rule)} "
             f"| {pct(lo['attention_lead_share'])} | {pct(ls['attention_lead_share'])} "
             f"| {pct(e['max_logit_rule_lead_share'])} | {beats} |"

@@ -114,7 +114,8 @@ def test_first_alarms_equal_one_detector_per_family(results, records):
     for run_id in ("healthy-cosine-seed1", "healthy-cosine-seed2"):
         assert results["runs"][run_id]["long"]["alarms"] == []
         assert results["runs"][run_id]["long+short"]["alarms"] == []
-    assert "| fa-s32-on1000-seed1 |" in markdown(results)
+    assert got["first_layers"] == long["first_layers"] == [1]  # the drop is in layer 1 only
+    assert "| fa-s32-on1000-seed1 |" in markdown(results) and "(L1)" in markdown(results)
 
 
 def test_product_tails_are_fitted_without_the_short_streams(records):
