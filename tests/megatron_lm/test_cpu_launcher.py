@@ -27,11 +27,16 @@ STUBS = textwrap.dedent(
     utils.get_batch_on_this_tp_rank = lambda *a, **k: None
     global_vars = types.ModuleType("megatron.training.global_vars")
     global_vars.get_tensorboard_writer = lambda: None
+    checkpointing = types.ModuleType("megatron.training.checkpointing")
+    for name in ("generate_state_dict", "_load_global_dist_base_checkpoint"):
+        setattr(checkpointing, name, lambda *a, **k: None)
     package = types.ModuleType("megatron.training")
     package.training, package.utils, package.global_vars = training, utils, global_vars
+    package.checkpointing = checkpointing
     package.get_args = lambda: None
     sys.modules.update({"megatron.training": package, "megatron.training.training": training,
-                        "megatron.training.utils": utils, "megatron.training.global_vars": global_vars})
+                        "megatron.training.utils": utils, "megatron.training.global_vars": global_vars,
+                        "megatron.training.checkpointing": checkpointing})
     """
 )
 
