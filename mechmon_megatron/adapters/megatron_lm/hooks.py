@@ -63,14 +63,21 @@ def in_dist_checkpoint(args: Any) -> bool:
     return getattr(args, "ckpt_format", None) == DIST_FORMAT
 
 
-def checkpoint_iter_dir(save_dir: str, iteration: int) -> str:
-    """Megatron's ``iter_XXXXXXX`` directory of ``iteration`` under ``save_dir``."""
-    try:
-        from megatron.training.checkpointing import get_checkpoint_name
-
-        return get_checkpoint_name(save_dir, iteration, release=False, return_base_dir=True)
-    except (ImportError, TypeError):  # release without return_base_dir, or no Megatron-LM
-        return os.path.join(save_dir, f"iter_{iteration:07d}")
+def checkpoint_iter_dir(save_dir: str, iteration: int, release: bool = False, checkpointing: Any = None) -> str:
+    """Megatron's ``iter_XXXXXXX`` (or ``release``) directory of ``iteration`` under ``save_dir``, by
+    ``checkpointing.get_checkpoint_name`` (default: ``megatron.training.checkpointing``'s) where it exists."""
+    get_name = getattr(checkpointing, "get_checkpoint_name", None)
+    if get_name is None:
+        try:
+            from megatron.training.checkpointing import get_checkpoint_name as get_name
+        except ImportError:  # no Megatron-LM
+            get_name = None
+    if callable(get_name):
+        try:
+            return str(get_name(save_dir, iteration, release=release, return_base_dir=True))
+        except TypeError:  # a release without return_base_dir
+            pass
+    return os.path.join(save_dir, "release" if release else f"iter_{iteration:07d}")
 
 
 def _rank() -> int:

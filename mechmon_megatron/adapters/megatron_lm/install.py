@@ -40,7 +40,6 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-import os
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:  # the hooks (torch, megatron-core) load in install(): mechmon-patch stays light
@@ -71,15 +70,28 @@ def _model_arg(args: tuple, kwargs: dict, position: int) -> Any:
     return kwargs["model"] if "model" in kwargs else args[position]
 
 
-def wrap_training_module(training: Any, hooks: MegatronLMHooks) -> None:
-    """Replace the four hooked globals of ``training`` with wrappers calling ``hooks``."""
-    missing = [name for name in HOOKED if not callable(getattr(training, name, None))]
+def _originals(module: Any, names: tuple[str, ...]) -> dict[str, Any]:
+    """The functions ``names`` of ``module`` before wrapping; a clear error naming those missing."""
+    missing = [name for name in names if not callable(getattr(module, name, None))]
     if missing:
         raise RuntimeError(
-            f"mechmon: {training.__name__} has no {missing}; this Megatron-LM release is not supported "
-            "by mechmon_megatron.megatron_lm.install() -- please report it with your Megatron-LM commit"
+            f"mechmon: {module.__name__} has no {missing}; this Megatron-LM release is not supported by "
+            "mechmon_megatron.megatron_lm.install() (known: core_v0.16.x to core_v0.19.x and main) -- please "
+            "report it with your Megatron-LM commit"
         )
-    original = {name: getattr(training, name) for name in HOOKED}
+    return {name: getattr(module, name) for name in names}
+
+
+def _install(module: Any, original: dict[str, Any], wrappers: dict[str, Any]) -> None:
+    """Put ``wrappers`` in place of ``module``'s functions, each marked with its original (for unwrapping)."""
+    for name, fn in wrappers.items():
+        setattr(fn, _WRAPPED_MARK, original[name])
+        setattr(module, name, fn)
+
+
+def wrap_training_module(training: Any, hooks: MegatronLMHooks) -> None:
+    """Replace the four hooked globals of ``training`` with wrappers calling ``hooks``."""
+    original = _originals(training, HOOKED)
 
     @functools.wraps(original["train_step"])
     def train_step(*args, **kwargs):
@@ -125,14 +137,8 @@ def wrap_training_module(training: Any, hooks: MegatronLMHooks) -> None:
         hooks.close()
         return result
 
-    for name, fn in (
-        ("train_step", train_step),
-        ("post_training_step_callbacks", post_training_step_callbacks),
-        ("save_checkpoint", save_checkpoint),
-        ("train", train),
-    ):
-        setattr(fn, _WRAPPED_MARK, original[name])
-        setattr(training, name, fn)
+    _install(training, original, {"train_step": train_step, "post_training_step_callbacks":
+                                  post_training_step_callbacks, "save_checkpoint": save_checkpoint, "train": train})
 
 
 def _is_loading(kwargs: dict) -> bool:
@@ -143,14 +149,7 @@ def _is_loading(kwargs: dict) -> bool:
 
 def wrap_checkpointing_module(checkpointing: Any, hooks: MegatronLMHooks) -> None:
     """Replace the two hooked globals of ``checkpointing`` (mechmon's entry in torch_dist checkpoints)."""
-    missing = [name for name in CHECKPOINT_HOOKED if not callable(getattr(checkpointing, name, None))]
-    if missing:
-        raise RuntimeError(
-            f"mechmon: {checkpointing.__name__} has no {missing}; this Megatron-LM release is not supported "
-            "by mechmon_megatron.megatron_lm.install() (known: core_v0.16.x to core_v0.19.x and main) -- please "
-            "report it with your Megatron-LM commit"
-        )
-    original = {name: getattr(checkpointing, name) for name in CHECKPOINT_HOOKED}
+    original = _originals(checkpointing, CHECKPOINT_HOOKED)
 
     @functools.wraps(original["generate_state_dict"])
     def generate_state_dict(args, *rest, **kwargs):
@@ -165,7 +164,9 @@ def wrap_checkpointing_module(checkpointing: Any, hooks: MegatronLMHooks) -> Non
     def load_global_dist_base_checkpoint(load_dir, args, rank0, sharded_state_dict, iteration, release, *rest,
                                          **kwargs):
         # the directory the original reads (rank0 reads the common state only: no template)
-        checkpoint_dir = get_checkpoint_dir(checkpointing, load_dir, iteration, release)
+        from mechmon_megatron.adapters.megatron_lm.hooks import checkpoint_iter_dir
+
+        checkpoint_dir = checkpoint_iter_dir(load_dir, iteration, release, checkpointing)
         added = not rank0 and hooks.add_load_entry(args, sharded_state_dict, checkpoint_dir)
         result = original["_load_global_dist_base_checkpoint"](load_dir, args, rank0, sharded_state_dict,
                                                                iteration, release, *rest, **kwargs)
@@ -173,21 +174,8 @@ def wrap_checkpointing_module(checkpointing: Any, hooks: MegatronLMHooks) -> Non
             hooks.take_loaded(result[0], checkpoint_dir)
         return result
 
-    for name, fn in (("generate_state_dict", generate_state_dict),
-                     ("_load_global_dist_base_checkpoint", load_global_dist_base_checkpoint)):
-        setattr(fn, _WRAPPED_MARK, original[name])
-        setattr(checkpointing, name, fn)
-
-
-def get_checkpoint_dir(checkpointing: Any, load_dir: str, iteration: int, release: bool) -> str:
-    """The ``iter_XXXXXXX`` (or ``release``) directory Megatron loads a torch_dist checkpoint from."""
-    get_name = getattr(checkpointing, "get_checkpoint_name", None)
-    if callable(get_name):
-        try:
-            return str(get_name(load_dir, iteration, release, return_base_dir=True))
-        except TypeError:  # a release without return_base_dir
-            pass
-    return os.path.join(load_dir, "release" if release else f"iter_{iteration:07d}")
+    _install(checkpointing, original, {"generate_state_dict": generate_state_dict,
+                                       "_load_global_dist_base_checkpoint": load_global_dist_base_checkpoint})
 
 
 def unwrap_training_module(training: Any, checkpointing: Any = None) -> None:
