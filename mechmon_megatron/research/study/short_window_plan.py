@@ -18,7 +18,10 @@ time on the shared machine):
 5. held out: ``healthy-prefix-seed{4,5,6}`` and their FA faults (onset 500, then 2,000);
 6. the learning-rate faults of the detector study, seeds 1-3 (router-only 15x and whole-model 4x
    LR from step 1, 1,500 steps): the attribution targets (a router alarm, never the precision
-   mechanism) under the short window.
+   mechanism) under the short window;
+7. held out for a design changed after seeds 4-6 were seen (round 6): ``healthy-prefix-seed{7,8,9}``
+   and their FA faults (onset 500, then 2,000). Added on 2026-12-02 before any of these runs
+   existed; a design chosen on the choice runs is reported on them unchanged.
 
 Items 4 and 6 were added in round 5 before any of their runs started; they are reported, not part
 of the choice. The launch order of 4-6 only decides what a session's time reaches first.
@@ -51,6 +54,8 @@ CHOICE_SEEDS = (1, 2, 3)
 """Fault seeds the design is chosen on."""
 HELD_OUT_SEEDS = (4, 5, 6)
 """Fault seeds reported unchanged after the design is frozen (pre-registered, docs/RESULTS.md)."""
+SECOND_HELD_OUT_SEEDS = (7, 8, 9)
+"""Fault seeds for a design changed after seeds 4-6 were looked at (round 6, docs/RESULTS.md)."""
 STRENGTHS = (32.0, 16.0)
 LR_SCENARIOS = ("moe-router-lr", "moe-lr")
 """Router-only 15x and whole-model 4x learning rate, as in the detector study (``long_plan``)."""
@@ -105,7 +110,7 @@ def plan_short_window_campaign(calibration_path: str, preset: Optional[Preset] =
 
     prefix_iters = max(fork_points)
     parents = {seed: healthy(seed, HEALTHY_ITERS, False) for seed in CALIBRATION_SEEDS}
-    for seed in (3, *HELD_OUT_SEEDS):
+    for seed in (3, *HELD_OUT_SEEDS, *SECOND_HELD_OUT_SEEDS):
         parents[seed] = healthy(seed, prefix_iters, True)
     def lr_fault(scenario: str, seed: int) -> CampaignRun:
         return CampaignRun(
@@ -122,5 +127,8 @@ def plan_short_window_campaign(calibration_path: str, preset: Optional[Preset] =
     for onset in FA_ONSETS:
         runs += [fault(parents[s], strength, onset) for s in HELD_OUT_SEEDS for strength in STRENGTHS]
     runs += [lr_fault(scenario, s) for s in CHOICE_SEEDS for scenario in LR_SCENARIOS]
+    runs += [parents[s] for s in SECOND_HELD_OUT_SEEDS]
+    for onset in FA_ONSETS:
+        runs += [fault(parents[s], strength, onset) for s in SECOND_HELD_OUT_SEEDS for strength in STRENGTHS]
     return runs
 
