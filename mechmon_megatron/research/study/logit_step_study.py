@@ -1,0 +1,218 @@
+"""Issue 19, round 6: the shipped detector (``long``) against ``long+logit``, the same detector plus
+one per-step test of attention logit growth, at the SAME false-alarm rate, on the records of the
+short-window campaign (pre-registered in docs/RESULTS.md, "Attention logit growth read every step").
+
+- ``attn_logit``: every step, ``log`` of the job-wide maximum attention logit (the records' per-step
+  ``max_attn_logit``, megatron-core's ``--log-max-attention-logit`` value), through the product's
+  detector code at its interval-1 settings (``default_sequential_config(1)``: a robust line through
+  the last 200 accepted steps, warm-up 200 steps, residual clipped to 8, CUSUM reference 1). The
+  stream runs in the slot of a rising family, as in the round-2 design study (research only:
+  the product has no per-step family yet).
+- Union bound over ``N + 1`` tests: every check test gets ``R / ((N + 1) C)``, the per-step test
+  ``R / ((N + 1) 10^6)``.
+- Null tails (check families and the per-step CUSUM) fitted on the calibration runs only.
+
+Needs numpy (the max-logit rule's scores).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
+
+from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE, JobShape, fit_null_tail, thresholds_for_job
+from mechmon_megatron.detect.pooled_cusum import (
+    FamilyThresholds,
+    Observation,
+    PooledCusumDetector,
+    SequentialConfig,
+    Thresholds,
+    default_sequential_config,
+)
+from mechmon_megatron.research.study.campaign_data import CampaignRecord
+from mechmon_megatron.research.study.design_study import earliest_alarm
+from mechmon_megatron.research.study.detector_report import CALIBRATION_RUNS, DELTA, INTERVAL, events, lead_share
+from mechmon_megatron.research.study.pooled_replay import (
+    CORE_FAMILIES,
+    fit_tail_table,
+    never_thresholds,
+    proxy_shape,
+    replay_pooled,
+)
+from mechmon_megatron.research.study.short_window_study import logit_rule_first, only_families
+
+LOGIT = "attn_logit"
+CARRIER = "router_weights"
+"""A rising family whose slot carries the logit stream through the product's detector code."""
+
+
+def logit_series(record: CampaignRecord) -> list[tuple[int, float]]:
+    """(step, log max attention logit) for every recorded step; NaN where the value is not > 0."""
+    out = []
+    for step, x in zip(record.data.steps, record.data.max_attn_logit):
+        ok = x is not None and math.isfinite(x) and x > 0
+        out.append((int(step), math.log(x) if ok else math.nan))
+    return out
+
+
+def logit_config() -> SequentialConfig:
+    """The detector's interval-1 settings, with no family-specific baseline."""
+    return dataclasses.replace(default_sequential_config(1), family_trends={})
+
+
+def replay_logit(series: Sequence[tuple[int, float]], thresholds: FamilyThresholds,
+                 start_step: int = 0) -> tuple[Optional[int], list[int], list[float]]:
+    """First alarm at/after ``start_step``, every alarm step, and the CUSUM after each step."""
+    det = PooledCusumDetector({CARRIER: thresholds}, logit_config())
+    first, alarms, cusums = None, [], []
+    for step, value in series:
+        r = det.update(step, [Observation(CARRIER, 1, "", value)])
+        c = r.statistics.get(f"{CARRIER}/cusum/layer_1")
+        if c is not None:
+            cusums.append(c)
+        if r.alarms:
+            alarms.append(step)
+            if first is None and step >= start_step:
+                first = step
+    return first, alarms, cusums
+
+
+def run_logit_step_study(records: Mapping[str, CampaignRecord], rule_threshold: Optional[float],
+                         rate: float = DEFAULT_FALSE_ALARM_RATE,
+                         calibration: Sequence[str] = CALIBRATION_RUNS,
+                         extra_healthy: Mapping[str, CampaignRecord] = ()) -> dict[str, Any]:
+    """Per run: first alarms of ``long`` and ``long+logit``, the rule, leads; healthy alarms.
+    ``extra_healthy``: held-out healthy runs judged by the logit test only (other records)."""
+    overlap = max(1, math.ceil(DELTA / INTERVAL))
+    series = [only_families(records[r].data.checks, CORE_FAMILIES) for r in calibration]
+    table, _ = fit_tail_table({overlap: (INTERVAL, series)}, source="calibration runs")
+    never = never_thresholds()["attn_delta2"].layer
+    cusums: list[float] = []
+    for r in calibration:
+        cusums += replay_logit(logit_series(records[r]), FamilyThresholds(never, never))[2]
+    tail = fit_null_tail(cusums)
+    shape = proxy_shape(series[0], INTERVAL, overlap)
+    long_thr, long_acc = thresholds_for_job(shape, rate, table)
+    # N + 1 tests: the check tests as if the job had one more test (same C), and the step test.
+    n = shape.num_tests()
+    wider = JobShape(layers=shape.layers, interval=shape.interval, overlap=overlap)
+    scale = n / (n + 1)
+    with_thr, with_acc = thresholds_for_job(wider, rate * scale, table)
+    p_step = rate / ((n + 1) * 1e6)
+    warning = tail.threshold(min(0.5, 1000 * p_step))
+    t = Thresholds(warning=max(warning, 1e-6), alarm=max(tail.threshold(p_step), warning, 1e-6))
+    logit_thr = FamilyThresholds(t, t)
+    config = default_sequential_config(INTERVAL)
+    out: dict[str, Any] = {
+        "rate_per_million": rate, "calibration_runs": list(calibration), "tests_long": n, "tests_with_logit": n + 1,
+        "logit_tail": tail.to_dict(), "logit_levels": {"warning": t.warning, "alarm": t.alarm},
+        "logit_step_probability": p_step, "long_check_probability": long_acc["per_test_check_probability"],
+        "with_logit_check_probability": with_acc["per_test_check_probability"],
+        "max_logit_rule_threshold": rule_threshold, "max_healthy_logit_cusum": max(cusums), "runs": {},
+    }
+    for run_id, record in sorted(records.items()):
+        onset = record.run.fault_onset or 0
+        checks = only_families(record.data.checks, CORE_FAMILIES)
+        entry: dict[str, Any] = {
+            "healthy": record.healthy, "seed": record.run.seed, "scenario": record.run.scenario,
+            "onset": record.run.fault_onset, "calibration": run_id in calibration, **events(record),
+            "max_logit_rule": None if record.healthy else logit_rule_first(record, rule_threshold),
+            "last_step": record.data.steps[-1] if record.data.steps else None,
+        }
+        for design, thr in (("long", long_thr), ("long+logit", with_thr)):
+            replay = replay_pooled(checks, thr, config, start_step=onset)
+            first, family = earliest_alarm(replay.first_alarm, CORE_FAMILIES)
+            attn, _ = earliest_alarm(replay.first_alarm, ("attn_delta2", "attn_dw"))
+            entry[design] = {"first_alarm": first, "first_family": family, "attention": attn,
+                             "alarms": len(replay.alarms), "by_family": dict(replay.first_alarm)}
+        logit_first, logit_alarms, _ = replay_logit(logit_series(record), logit_thr, onset)
+        entry["logit"] = {"first_alarm": logit_first, "alarms": len(logit_alarms)}
+        both = entry["long+logit"]
+        if logit_first is not None and (both["first_alarm"] is None or logit_first < both["first_alarm"]):
+            both["first_alarm"], both["first_family"] = logit_first, LOGIT
+        both["alarms"] += len(logit_alarms)
+        entry["attention_lead_share"] = lead_share(entry["long+logit"]["attention"], entry["divergence"], onset)
+        entry["first_lead_share"] = lead_share(both["first_alarm"], entry["divergence"], onset)
+        entry["rule_lead_share"] = lead_share(entry["max_logit_rule"], entry["divergence"], onset)
+        out["runs"][run_id] = entry
+    for run_id, record in sorted(dict(extra_healthy).items()):
+        _, logit_alarms, _ = replay_logit(logit_series(record), logit_thr, 0)
+        out["runs"][f"{run_id} (round 2)"] = {"healthy": True, "extra": True, "last_step": record.data.steps[-1],
+                                             "logit": {"first_alarm": None, "alarms": len(logit_alarms)}}
+    return out
+
+
+def _no_later(first: Optional[int], rule: Optional[int]) -> bool:
+    return first is not None and (rule is None or first <= rule)
+
+
+def group_of(run_id: str) -> str:
+    """choice (seeds 1-3), held-out 4-6, held-out 7-9, or lr."""
+    if run_id.startswith("moe-"):
+        return "lr"
+    seed = int(run_id.rsplit("seed", 1)[1].split()[0])
+    return "choice" if seed <= 3 else "held-out 4-6" if seed <= 6 else "held-out 7-9"
+
+
+def markdown(results: Mapping[str, Any]) -> str:
+    """The fault table, the learning-rate table, the healthy table, and per-group counts."""
+    def d(x: Optional[int], onset: int) -> str:
+        return "-" if x is None else f"+{x - onset}"
+
+    def pct(x: Optional[float]) -> str:
+        return "-" if x is None else f"{100 * x:.0f} %"
+
+    runs = results["runs"]
+    lines = [f"R = {results['rate_per_million']} per 10^6 steps; tests {results['tests_long']} (long) / "
+             f"{results['tests_with_logit']} (long+logit); logit alarm level {results['logit_levels']['alarm']:.2f} "
+             f"(largest healthy CUSUM on the calibration runs {results['max_healthy_logit_cusum']:.2f}); "
+             f"max-logit rule threshold {results['max_logit_rule_threshold']}.", "",
+             "| run | group | div. | long (today) | long+logit | Δ2 / dW (long+logit) | logit test | max-logit rule | "
+             "long <= rule | long+logit <= rule | lead Δ2/dW | lead first | lead rule |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    counts: dict[str, list[int]] = {}
+    for run_id, e in sorted(runs.items(), key=lambda kv: (group_of(kv[0]), kv[0])):
+        if e["healthy"] or e.get("scenario") != "fa":
+            continue
+        onset = e["onset"] or 0
+        g = group_of(run_id)
+        rule = e["max_logit_rule"]
+        a, b = _no_later(e["long"]["first_alarm"], rule), _no_later(e["long+logit"]["first_alarm"], rule)
+        c = counts.setdefault(g, [0, 0, 0])
+        c[0] += 1
+        c[1] += a
+        c[2] += b
+        lines.append(
+            f"| {run_id} | {g} | {d(e['divergence'], onset)} | {d(e['long']['first_alarm'], onset)} "
+            f"{e['long']['first_family'] or ''} | {d(e['long+logit']['first_alarm'], onset)} "
+            f"{e['long+logit']['first_family'] or ''} | {d(e['long+logit']['attention'], onset)} | "
+            f"{d(e['logit']['first_alarm'], onset)} | {d(rule, onset)} | {'yes' if a else 'no'} | "
+            f"{'yes' if b else 'no'} | {pct(e['attention_lead_share'])} | {pct(e['first_lead_share'])} | "
+            f"{pct(e['rule_lead_share'])} |")
+    lines += ["", "First alarm no later than the max-logit rule (FA runs): "
+              + "; ".join(f"{g}: long {c[1]} of {c[0]}, long+logit {c[2]} of {c[0]}"
+                          for g, c in sorted(counts.items())),
+              "", "Learning-rate faults (from step 1; steps):", "",
+              "| run | long first | long+logit first | attention alarms (Δ2/dW) | logit test | max-logit rule |",
+              "|---|---|---|---|---|---|"]
+    for run_id, e in sorted(runs.items()):
+        if e["healthy"] or e.get("scenario") == "fa":
+            continue
+        bf = e["long+logit"]["by_family"]
+        attn = [f"{f} {bf[f]}" for f in ("attn_delta2", "attn_dw") if bf.get(f) is not None]
+        lines.append(f"| {run_id} | {e['long']['first_alarm']} {e['long']['first_family'] or ''} | "
+                     f"{e['long+logit']['first_alarm']} {e['long+logit']['first_family'] or ''} | "
+                     f"{', '.join(attn) or 'none'} | {e['logit']['first_alarm'] or '-'} | "
+                     f"{e['max_logit_rule'] or '-'} |")
+    lines += ["", "Healthy runs (all alarms, any step; * = calibration run):", "",
+              "| run | steps | long | long+logit |", "|---|---|---|---|"]
+    for run_id, e in sorted(runs.items()):
+        if not e["healthy"]:
+            continue
+        star = " *" if e.get("calibration") else ""
+        long_alarms = "-" if e.get("extra") else str(e["long"]["alarms"])
+        both = e["logit"]["alarms"] if e.get("extra") else e["long+logit"]["alarms"]
+        lines.append(f"| {run_id}{star} | {e['last_step']} | {long_alarms} | {both} |")
+    return "\n".join(lines) + "\n"
