@@ -88,12 +88,12 @@ def logit_checks(record: CampaignRecord, every: int) -> list[tuple[int, float]]:
     return out
 
 
-def _logit_config(interval: int, shewhart: bool) -> SequentialConfig:
+def logit_config(interval: int, shewhart: bool) -> SequentialConfig:
     base = default_sequential_config(interval)
     return dataclasses.replace(base, family_trends={}, shewhart=shewhart)
 
 
-def _logit_replay(series: Sequence[tuple[int, float]], thresholds: FamilyThresholds, config: SequentialConfig,
+def logit_replay(series: Sequence[tuple[int, float]], thresholds: FamilyThresholds, config: SequentialConfig,
                   start_step: int) -> tuple[Optional[int], list[tuple[int, str]], list[float], list[float]]:
     """First alarm at/after ``start_step``, all alarms (step, kind), CUSUM and residual values."""
     det = PooledCusumDetector({LOGIT_CARRIER: thresholds}, config)
@@ -116,9 +116,9 @@ def logit_tails(records: Mapping[str, CampaignRecord], every: int) -> tuple[Null
     cusums: list[float] = []
     residuals: list[float] = []
     for run_id in CALIBRATION_RUNS:
-        _, _, c, r = _logit_replay(
+        _, _, c, r = logit_replay(
             logit_checks(records[run_id], every), FamilyThresholds(never, never),
-            _logit_config(INTERVAL * every, False), 0,
+            logit_config(INTERVAL * every, False), 0,
         )
         cusums += c
         residuals += r
@@ -193,8 +193,8 @@ def run_study(records: Mapping[str, CampaignRecord], rate: float = DEFAULT_FALSE
                 onset = record.run.fault_onset or 0
                 checks = subsample(record.data.checks, INTERVAL, every)
                 replay = replay_pooled(checks, thresholds, config, start_step=onset)
-                lfirst, lalarms, _, _ = _logit_replay(logit_checks(record, every), lth,
-                                                      _logit_config(interval, shewhart), onset)
+                lfirst, lalarms, _, _ = logit_replay(logit_checks(record, every), lth,
+                                                      logit_config(interval, shewhart), onset)
                 entry = block["runs"].setdefault(run_id, {
                     "healthy": record.healthy,
                     "scenario": record.run.scenario,

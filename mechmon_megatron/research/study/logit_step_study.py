@@ -4,7 +4,7 @@ short-window campaign (pre-registered in docs/RESULTS.md, "Attention logit growt
 
 - ``attn_logit``: every step, ``log`` of the job-wide maximum attention logit (the records' per-step
   ``max_attn_logit``, megatron-core's ``--log-max-attention-logit`` value), through the product's
-  detector code at its interval-1 settings (``default_sequential_config(1)``: a robust line through
+  detector code at its interval-1 settings (``design_study.logit_config(1)``: a robust line through
   the last 200 accepted steps, warm-up 200 steps, residual clipped to 8, CUSUM reference 1). The
   stream runs in the slot of a rising family, as in the round-2 design study (research only:
   the product has no per-step family yet).
@@ -17,22 +17,14 @@ Needs numpy (the max-logit rule's scores).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
-from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE, JobShape, fit_null_tail, thresholds_for_job
-from mechmon_megatron.detect.pooled_cusum import (
-    FamilyThresholds,
-    Observation,
-    PooledCusumDetector,
-    SequentialConfig,
-    Thresholds,
-    default_sequential_config,
-)
+from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE, fit_null_tail, thresholds_for_job
+from mechmon_megatron.detect.pooled_cusum import FamilyThresholds, Thresholds, default_sequential_config
 from mechmon_megatron.research.study.campaign_data import CampaignRecord
-from mechmon_megatron.research.study.design_study import earliest_alarm
+from mechmon_megatron.research.study.design_study import earliest_alarm, logit_config, logit_replay
 from mechmon_megatron.research.study.detector_report import CALIBRATION_RUNS, DELTA, INTERVAL, events, lead_share
 from mechmon_megatron.research.study.pooled_replay import (
     CORE_FAMILIES,
@@ -44,8 +36,6 @@ from mechmon_megatron.research.study.pooled_replay import (
 from mechmon_megatron.research.study.short_window_study import logit_rule_first, only_families
 
 LOGIT = "attn_logit"
-CARRIER = "router_weights"
-"""A rising family whose slot carries the logit stream through the product's detector code."""
 
 
 def logit_series(record: CampaignRecord) -> list[tuple[int, float]]:
@@ -57,26 +47,12 @@ def logit_series(record: CampaignRecord) -> list[tuple[int, float]]:
     return out
 
 
-def logit_config() -> SequentialConfig:
-    """The detector's interval-1 settings, with no family-specific baseline."""
-    return dataclasses.replace(default_sequential_config(1), family_trends={})
-
-
 def replay_logit(series: Sequence[tuple[int, float]], thresholds: FamilyThresholds,
                  start_step: int = 0) -> tuple[Optional[int], list[int], list[float]]:
-    """First alarm at/after ``start_step``, every alarm step, and the CUSUM after each step."""
-    det = PooledCusumDetector({CARRIER: thresholds}, logit_config())
-    first, alarms, cusums = None, [], []
-    for step, value in series:
-        r = det.update(step, [Observation(CARRIER, 1, "", value)])
-        c = r.statistics.get(f"{CARRIER}/cusum/layer_1")
-        if c is not None:
-            cusums.append(c)
-        if r.alarms:
-            alarms.append(step)
-            if first is None and step >= start_step:
-                first = step
-    return first, alarms, cusums
+    """The round-2 study's logit replay (``design_study.logit_replay``) at interval 1: first alarm
+    at/after ``start_step``, every alarm step, and the CUSUM after each step past the warm-up."""
+    first, alarms, cusums, _ = logit_replay(series, thresholds, logit_config(1, False), start_step)
+    return first, [step for step, _ in alarms], cusums
 
 
 def run_logit_step_study(records: Mapping[str, CampaignRecord], rule_threshold: Optional[float],
@@ -95,11 +71,10 @@ def run_logit_step_study(records: Mapping[str, CampaignRecord], rule_threshold: 
     tail = fit_null_tail(cusums)
     shape = proxy_shape(series[0], INTERVAL, overlap)
     long_thr, long_acc = thresholds_for_job(shape, rate, table)
-    # N + 1 tests: the check tests as if the job had one more test (same C), and the step test.
+    # N + 1 tests: each check test's R / (N C) becomes R / ((N + 1) C), i.e. the N check tests
+    # share R N / (N + 1); the step test gets R / ((N + 1) 10^6).
     n = shape.num_tests()
-    wider = JobShape(layers=shape.layers, interval=shape.interval, overlap=overlap)
-    scale = n / (n + 1)
-    with_thr, with_acc = thresholds_for_job(wider, rate * scale, table)
+    with_thr, with_acc = thresholds_for_job(shape, rate * n / (n + 1), table)
     p_step = rate / ((n + 1) * 1e6)
     warning = tail.threshold(min(0.5, 1000 * p_step))
     t = Thresholds(warning=max(warning, 1e-6), alarm=max(tail.threshold(p_step), warning, 1e-6))
