@@ -9,17 +9,21 @@ action ``warn``), so the online run's alarms are in its log.
 * FA fault: forked from the healthy run at ``FORK`` (the trainer is bit-identical when resumed,
   tests/megatron_core/test_cpu_trainer.py; the online detector state travels in the checkpoint,
   its weight snapshots do not, so the fork lies a window before the onset), with the amplified
-  biased-rounding fault from iteration ``FAULT_ONSET`` (``--fa-fault-strength 1024``, all rows)
+  biased-rounding fault from iteration ``FAULT_ONSET`` (``--fa-fault-strength 512``, all rows)
   until ``FAULT_ITERS``.
 
-Why 20 steps and 1024 ulps: this small model's loss reacts to the fault within tens of steps, and
-the loss diverges (study rule: 10-step mean > 1.3 x the running minimum of the 50-step mean for
-10 steps) about 280 steps after the onset at 1024 ulps (170 at 512; none within 300 at 256).
-With saves every 50 steps the detector's warm-up (5 checks) and two judged checks to cross the
-threshold leave no room before the divergence; every 20 steps gives 10 checks of warm-up
-(``warmup_checks(20)``) and a check every 20 steps after the onset. Trials (seed 3, onset 300,
-scan --window 5): first anomaly at 400 / 420 / 460 / 480, divergence at 473 / 578 / 553 / 574 for
-512 / 1024 ulps (micro-batch 2, seq 32) and 256 / 64 ulps (micro-batch 4, seq 64); healthy: none.
+Why 20 steps and 512 ulps: this small model's loss reacts to the fault within tens of steps. With
+saves every 50 steps the detector's warm-up (5 checks) and two judged checks to cross the threshold
+leave no room before the loss is hurt; every 20 steps gives 10 checks of warm-up
+(``warmup_checks(20)``) and a check every 20 steps after the onset. The loss of this toy is noisy
+(a 20-step mean moves by 1 nat in the healthy run too), so the study's divergence step is chaotic
+in the strength and in the stack: measured 2026-12-03 on an AMD EPYC, divergence at 2048 / 1024 /
+768 / 512 ulps: 334 / 435 / 472 / none by 600 (Python 3.11, megatron-core 0.16.1) and 368 / 368 /
+369 / 462 (Python 3.12, megatron-core 0.19.2); the scan's first anomaly was 360 in all eight runs.
+At 1024 ulps the current leg left 8 steps between the two (and another CI machine, 380 vs 369,
+failed the test), so the series uses 512 ulps, where the fault still costs 0.5-1.2 nats against
+the healthy run on both stacks, and the test asserts what holds on any of them
+(tests/scan/test_scan_megatron.py).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ HEALTHY_ITERS = 500
 FORK = 200
 FAULT_ONSET = 301
 FAULT_ITERS = 480
-FAULT_STRENGTH = 1024
+FAULT_STRENGTH = 512
 HEADS = 4
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", str(HEADS), "--seq-length", "32",
          "--ffn-hidden-size", "128", "--micro-batch-size", "2", "--use-cpu-initialization", "--seed", "3",

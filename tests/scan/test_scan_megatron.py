@@ -53,31 +53,37 @@ def test_healthy_series_has_no_anomaly(healthy, healthy_scan):
     assert warmup == 10 and summary["pairs"] >= warmup + 10
 
 
-def test_fault_first_anomaly_after_onset_before_divergence_where_the_fault_acts(fault, healthy, fault_scan):
-    """The scan's first anomaly lies between the onset and the loss divergence, in an attention
-    family, on a layer whose online Delta2 entropy the fault pulled down.
+def test_fault_first_anomaly_within_a_window_of_the_onset_where_the_fault_acts(fault, healthy, fault_scan):
+    """The scan's first anomaly lies within one scan window after the onset, before any loss
+    divergence, in an attention family, on a layer whose online Delta2 entropy the fault pulled down.
 
-    The series is trained under the study's pinned CPU settings (series.env), so these steps are
-    the same on any x86 CPU; the assertions still leave margins. Measured (Python 3.11, torch
-    2.13): first anomaly before 360, divergence 435; the flagged layer's online Delta2 entropy
-    below the healthy run's by 0.3-0.9 nats at every check from 320 on (bound asserted: 0.15 on
-    average). Why not "a layer the online detector alarmed on": the online session checks from step
+    Measured (AMD EPYC, series.py): first anomaly 360 on both stacks; the fault costs 0.5-1.2 nats
+    against the healthy run over its last 100 steps; the study's divergence rule fires at 462 on
+    Python 3.12 + megatron-core 0.19.2 and not within the run on Python 3.11 + megatron-core 0.16.1.
+    The divergence step of this noisy toy is chaotic (series.py), so the test does not require one:
+    it requires the fault to hurt (the paired loss gap, which the shared data order makes far less
+    noisy than either loss) and the anomaly to come before a divergence wherever there is one.
+    Why not "a layer the online detector alarmed on": the online session checks from step
     100 and needs 10 accepted values before it judges (warm-up, interval 20), and its weight
     snapshots are not in the checkpoint, so after the fork at 200 it checks again from 300 and
     completes its warm-up with the faulty checks 300-360: its baseline absorbs part of the shift,
-    and whether it alarms before the run ends depends on the trajectory (it did not under the pin,
-    it did under the round-2 kernels). The scan sees every pair from the start."""
+    and whether it alarms before the run ends depends on the trajectory. The scan sees every pair
+    from the start."""
     out, summary = fault_scan
     first = summary["first_anomaly"]
-    divergence = S.loss_divergence(fault)
-    assert divergence is not None, "the fault run must diverge for this test to mean anything"
+    healthy_loss = {r["iteration"]: r["lm_loss"] for r in healthy.metrics}
+    last = [r for r in fault.metrics if S.FAULT_ITERS - 100 < r["iteration"] <= S.FAULT_ITERS]
+    gap = sum(r["lm_loss"] - healthy_loss[r["iteration"]] for r in last) / len(last)
+    assert gap > 0.3, f"the fault must hurt the loss for this test to mean anything (gap {gap:.3f} nats)"
     assert first is not None, summary["anomalies"]
-    assert S.FAULT_ONSET <= first["before_iteration"] < divergence, (first, divergence)
+    assert S.FAULT_ONSET <= first["before_iteration"] <= S.FAULT_ONSET + WINDOW * S.SAVE_INTERVAL, first
+    divergence = S.loss_divergence(fault)
+    assert divergence is None or first["before_iteration"] < divergence, (first, divergence)
     assert first["after_iteration"] < first["before_iteration"]
     assert first["family"] in ("attn_delta2", "attn_dw")
     tag = f"{names.PREFIX}/attn/delta2_entropy/layer_{first['layer']}"
     steps = [t for t in sorted(fault.online_scalars)
-             if S.FAULT_ONSET < t < divergence and tag in fault.online_scalars[t]]
+             if S.FAULT_ONSET < t <= S.FAULT_ITERS and tag in fault.online_scalars[t]]
     assert len(steps) >= 3, steps
     drop = [healthy.online_scalars[t][tag] - fault.online_scalars[t][tag] for t in steps]
     assert sum(drop) / len(drop) > 0.15, list(zip(steps, drop))

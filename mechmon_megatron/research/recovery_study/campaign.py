@@ -294,8 +294,9 @@ def write_record(record: dict[str, Any], dest: str, out: Optional[str] = None) -
     os.makedirs(dest, exist_ok=True)
     path = os.path.join(dest, f"{record['cell']}.json")
     text = json.dumps(record, indent=1, sort_keys=True)
-    if out:
-        text = text.replace(os.path.abspath(out).rstrip(os.sep) + os.sep, "<out>/")
+    if out:  # the launches name it as given (maybe relative) and the supervisor as an absolute path
+        for prefix in sorted({os.path.abspath(out), os.path.normpath(out)}, key=len, reverse=True):
+            text = text.replace(prefix.rstrip(os.sep) + os.sep, "<out>/")
     with open(path, "w", encoding="utf-8") as f:
         f.write(text + "\n")
     return path

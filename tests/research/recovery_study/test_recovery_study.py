@@ -137,3 +137,18 @@ def test_demo_row_reads_the_records_and_the_losses(tmp_path: Path):
     row = recovered_row(result, str(clean))[2]
     assert "attn_dw at 150 (110)" in row and "iter_0000100" in row and "+--attention-backend torch" in row
     assert "--load" not in row and "-fa-fault-strength 32" in row and "| 2.020 | 2.000 | +1.0 % |" in row
+
+
+def test_records_name_no_machine_folder_whether_out_was_given_relative_or_absolute(tmp_path: Path, monkeypatch):
+    from mechmon_megatron.research.recovery_study.campaign import write_record
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    record = {"cell": "fa-s32-on500-seed1",
+              "paths": ["runs/fa-s32-on500-seed1/mechmon/ck/iter_0000500",
+                        str(tmp_path / "runs" / "fa-s32-on500-seed1" / "mechmon" / "ck" / "iter_0000760")]}
+    path = write_record(record, str(tmp_path / "records"), "runs")
+    text = Path(path).read_text()
+    assert str(tmp_path) not in text and "runs/" not in text
+    assert json.loads(text)["paths"] == ["<out>/fa-s32-on500-seed1/mechmon/ck/iter_0000500",
+                                         "<out>/fa-s32-on500-seed1/mechmon/ck/iter_0000760"]
