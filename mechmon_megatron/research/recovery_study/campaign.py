@@ -2,12 +2,15 @@
 
 A cell is one fault at one seed, trained with the fault study's model and schedule (preset
 ``full`` of ``research/study/scenarios.py``: 1,500 steps, LR decaying over them, monitors every
-20 steps over a 100-step window in ``log`` mode, a save every 100 steps):
+20 steps over a 100-step window in ``log`` mode, a save every 100 steps); an FA cell whose onset
+lies later trains ``onset + 1,000`` steps with the LR decaying over them (onset 2,000: 3,000
+steps), so every FA fault has the same 1,000 steps to act:
 
 - ``fa``: the amplified FA fault (``strength`` BF16 ulps, all rows) from ``onset``;
 - ``moe-lr``: the whole-model 4x learning rate from step 1.
 
-Per seed the clean run (``OUT/clean-seed<N>``) trains once from scratch; an FA cell's operators
+Per seed and schedule the clean run (``OUT/clean-seed<N>``, ``OUT/clean-seed<N>-<steps>`` for a
+longer one) trains once from scratch; an FA cell's operators
 start from its checkpoint at ``onset - 100`` (copied into each operator's own checkpoint folder:
 nothing is shared after the fork), as the fault study forked its runs; a moe-lr cell's operators
 start from scratch. Every launch resumes (``launch.py``), so ``run`` can be killed and rerun.
@@ -50,6 +53,8 @@ SMOOTH_STEPS = 100
 TARGET_LOSS_GAP = 0.02
 """Target: the mechmon operator ends within 2 % of the clean run's smoothed loss."""
 SAVE_INTERVAL = 100
+STEPS_AFTER_ONSET = 1000
+"""An FA cell trains to ``onset + STEPS_AFTER_ONSET`` (at least the preset's 1,500 steps)."""
 RECORD_VERSION = 1
 
 
@@ -74,7 +79,8 @@ class Cell:
 
     @property
     def train_iters(self) -> int:
-        return get_preset("full").train_iters
+        base = get_preset("full").train_iters
+        return max(base, self.onset + STEPS_AFTER_ONSET) if self.scenario == "fa" else base
 
 
 def parse_cell(text: str) -> Cell:
@@ -90,18 +96,17 @@ def parse_cell(text: str) -> Cell:
         cell = None
     if cell is None:
         raise ValueError(f"--cells: expected fa:STRENGTH:ONSET:SEED or moe-lr:SEED, got {text!r}")
-    if cell.scenario == "fa" and not SAVE_INTERVAL < cell.onset <= cell.train_iters - 500:
-        raise ValueError(f"--cells {text}: the onset must be in {SAVE_INTERVAL + 1}..{cell.train_iters - 500} "
-                         f"on the {cell.train_iters}-step schedule (an onset of 2,000 needs the detector "
-                         "study's longer schedule, which this tool does not run)")
+    if cell.scenario == "fa" and not (SAVE_INTERVAL < cell.onset and cell.onset % SAVE_INTERVAL == 0):
+        raise ValueError(f"--cells {text}: the onset must be a multiple of the save interval {SAVE_INTERVAL} "
+                         f"above it (the operators fork from the clean run's save at onset - {SAVE_INTERVAL})")
     return cell
 
 
 def _flags(cell: Cell, scenario: str) -> list[str]:
     preset = get_preset("full")
     iters = cell.train_iters
-    preset = with_overrides(preset, fa_strength=cell.strength, fa_onset=cell.onset,
-                            lr_decay_iters=preset.lr_decay_iters or preset.train_iters)
+    decay = preset.lr_decay_iters or preset.train_iters
+    preset = with_overrides(preset, fa_strength=cell.strength, fa_onset=cell.onset, lr_decay_iters=max(decay, iters))
     return list(trainer_flags(get_scenario(scenario), preset, cell.seed, iters))
 
 
@@ -115,8 +120,11 @@ def _command(flags: list[str], ckpt: str, out_dir: str, fork: int) -> list[str]:
     return argv
 
 
-def clean_dir(out: str, seed: int) -> str:
-    return os.path.join(out, f"clean-seed{seed}")
+def clean_dir(out: str, cell: Cell) -> str:
+    """The clean run a cell is compared with (and forks from): same seed, same schedule."""
+    if cell.train_iters == get_preset("full").train_iters:
+        return os.path.join(out, f"clean-seed{cell.seed}")
+    return os.path.join(out, f"clean-seed{cell.seed}-{cell.train_iters}")
 
 
 def _fork_into(clean_ckpt: str, ckpt: str, fork: int) -> None:
@@ -134,8 +142,8 @@ def _fork_into(clean_ckpt: str, ckpt: str, fork: int) -> None:
         f.write(str(fork))
 
 
-def run_clean(out: str, seed: int, cell: Cell) -> LaunchState:
-    directory = clean_dir(out, seed)
+def run_clean(out: str, cell: Cell) -> LaunchState:
+    directory = clean_dir(out, cell)
     ckpt = os.path.join(directory, "ck")
     return run_plain(directory, _command(_flags(cell, "clean"), ckpt, directory, 0), ckpt)
 
@@ -144,12 +152,12 @@ def run_operator(out: str, cell: Cell, operator: str) -> LaunchState:
     directory = os.path.join(out, cell.cell_id, operator)
     ckpt = os.path.join(directory, "ck")
     if cell.fork:
-        _fork_into(os.path.join(clean_dir(out, cell.seed), "ck"), ckpt, cell.fork)
+        _fork_into(os.path.join(clean_dir(out, cell), "ck"), ckpt, cell.fork)
     argv = _command(_flags(cell, cell.scenario), ckpt, directory, cell.fork)
     if operator == "none":
         return run_plain(directory, argv, ckpt)
     if operator == "practice":
-        prefix = kept_trajectory(LaunchState.load(clean_dir(out, cell.seed))) if cell.fork else {}
+        prefix = kept_trajectory(LaunchState.load(clean_dir(out, cell))) if cell.fork else {}
         return run_practice(directory, without_mechmon(argv), ckpt, cell.fork, prefix)
     if operator == "mechmon":
         command = parse_command(argv)
@@ -162,7 +170,7 @@ def run_cell(out: str, cell: Cell, operators: tuple[str, ...] = OPERATORS,
              records: Optional[str] = None) -> dict[str, Any]:
     """Train what is missing of ``cell`` (the clean run first), then its record (written to
     ``records`` after every operator, so a study cut short keeps what finished)."""
-    run_clean(out, cell.seed, cell)
+    run_clean(out, cell)
     for op in operators:
         run_operator(out, cell, op)
         if records:
@@ -275,7 +283,7 @@ def _recovery(ckpt: str) -> list[dict[str, Any]]:
 
 
 def summarize(out: str, cell: Cell) -> dict[str, Any]:
-    clean = LaunchState.load(clean_dir(out, cell.seed))
+    clean = LaunchState.load(clean_dir(out, cell))
     clean_kept = kept_trajectory(clean) if clean.launches else {}
     clean_loss = _smoothed(clean_kept, cell.train_iters)
     return {

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mechmon_megatron.research.recovery_study.campaign import Cell, parse_cell
+from mechmon_megatron.research.recovery_study.campaign import Cell, _flags, clean_dir, parse_cell
 from mechmon_megatron.research.recovery_study.launch import LaunchRecord, LaunchState, _resume_point, kept_trajectory
 from mechmon_megatron.research.recovery_study.operators import (
     _restart_after_spike,
@@ -97,8 +97,14 @@ def test_practice_runs_without_the_monitor():
 def test_cells():
     assert parse_cell("fa:32:500:1") == Cell("fa", 1, 32.0, 500) and parse_cell("fa:32:500:1").fork == 400
     assert parse_cell("moe-lr:2").cell_id == "moe-lr-seed2" and parse_cell("moe-lr:2").fork == 0
-    with pytest.raises(ValueError, match="longer schedule"):
-        parse_cell("fa:16:2000:1")
+    late = parse_cell("fa:16:2000:1")  # a later onset trains longer: the same 1,000 steps for the fault
+    assert (late.fork, late.train_iters, parse_cell("fa:32:500:1").train_iters) == (1900, 3000, 1500)
+    assert clean_dir("o", late).endswith("clean-seed1-3000") and clean_dir("o", parse_cell("moe-lr:1")).endswith(
+        "clean-seed1")
+    flags = _flags(late, "fa")
+    assert flags[flags.index("--lr-decay-iters") + 1] == "3000" and flags[flags.index("--fa-fault-onset") + 1] == "2000"
+    with pytest.raises(ValueError, match="multiple of the save interval"):
+        parse_cell("fa:16:2050:1")
     with pytest.raises(ValueError, match="fa:STRENGTH:ONSET:SEED"):
         parse_cell("fa:32:1")
 
