@@ -22,6 +22,7 @@ from mechmon_megatron.research.study.logit_step_study import (
     ROUND7_DESIGN,
     ROUND7_TAIL_RUNS,
     markdown,
+    resolve_tail_records,
     run_logit_step_study,
 )
 from mechmon_megatron.research.study.short_window_study import logit_rule_threshold
@@ -53,13 +54,10 @@ def main(argv=None) -> int:
         [x.strip() for x in args.logit_tail_runs.split(",")] if args.logit_tail_runs else None)
     tail_records = None
     if names is not None:
-        missing = [n for n in names if n not in records and n not in study]
-        if missing:
-            print(f"--logit-tail-runs: no record for {missing}", file=sys.stderr)
-            return 2
-        tail_records = {n: records[n] if n in records else study[n] for n in names}
-        if not all(r.healthy for r in tail_records.values()):
-            print("--logit-tail-runs: only healthy runs fit the tail", file=sys.stderr)
+        try:
+            tail_records = resolve_tail_records(names, records, study)
+        except (KeyError, ValueError) as e:
+            print(f"--logit-tail-runs: {e}", file=sys.stderr)
             return 2
     design = ROUND7_DESIGN if args.round7 else "long+logit" if names is None else "long+logit (tail: named runs)"
     results = run_logit_step_study(records, logit_rule_threshold(study), extra_healthy=extra,

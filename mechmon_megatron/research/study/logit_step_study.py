@@ -87,6 +87,21 @@ def fit_logit_tail(cusums: Mapping[str, Sequence[float]], runs: Sequence[str]) -
     return fit_null_tail(values)
 
 
+def resolve_tail_records(names: Sequence[str], records: Mapping[str, CampaignRecord],
+                         other: Mapping[str, CampaignRecord]) -> dict[str, CampaignRecord]:
+    """The records of exactly ``names``, in that order: from ``records`` (this campaign) when there,
+    else from ``other`` (the round-2 records). KeyError names the missing ones, ValueError a
+    fault run."""
+    missing = [n for n in names if n not in records and n not in other]
+    if missing:
+        raise KeyError(f"no record for {missing}")
+    out = {n: records[n] if n in records else other[n] for n in names}
+    faults = [n for n, r in out.items() if not r.healthy]
+    if faults:
+        raise ValueError(f"only healthy runs fit the logit tail, not {faults}")
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class LeaveOneOut:
     """One held-out run of the leave-one-out check of the per-step logit tail."""
