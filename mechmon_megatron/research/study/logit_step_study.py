@@ -124,8 +124,9 @@ class LeaveOneOut:
     p_max: float
     """``1 - (1 - p)^steps`` with p = 10^log10_p_step: the probability under the fitted tail that
     the largest of ``steps`` independent values reaches ``max_cusum``. Autocorrelation (the CUSUM's
-    excursions last many steps) can only lower the true probability (extremal index <= 1), so
-    this is an upper bound: a small value rejects the tail."""
+    excursions last many steps) can only lower it: for a stationary sequence P(max > h) is about
+    ``1 - F(h)^(steps * e)`` with extremal index ``e <= 1``, so this is (to that approximation) an
+    upper bound, and a small value rejects the tail."""
     p_max_ml: float
     """The same with the maximum-likelihood theta."""
     tail: dict[str, Any]
