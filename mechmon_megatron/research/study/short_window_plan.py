@@ -22,6 +22,11 @@ time on the shared machine):
 7. held out for a design changed after seeds 4-6 were seen (round 6): ``healthy-prefix-seed{7,8,9}``
    and their FA faults (onset 500, then 2,000). Added on 2026-12-02 before any of these runs
    existed; a design chosen on the choice runs is reported on them unchanged.
+8. held out for round 7 (``long+logit5``, the per-step logit tail fitted on every 10,000-step
+   healthy run that existed): ``healthy-cosine-seed{10,11,12}``, NEW 10,000-step healthy runs
+   (the false-alarm test) that are also the parents of the FA faults of seeds 10-12 (onset 500,
+   then 2,000; forks at 400 and 1,900, like the calibration seeds). Added on 2026-12-03 before any
+   of these runs existed (:func:`round7_held_out_ids`).
 
 Items 4 and 6 were added in round 5 before any of their runs started; they are reported, not part
 of the choice. The launch order of 4-6 only decides what a session's time reaches first.
@@ -56,6 +61,8 @@ HELD_OUT_SEEDS = (4, 5, 6)
 """Fault seeds reported unchanged after the design is frozen (pre-registered, docs/RESULTS.md)."""
 SECOND_HELD_OUT_SEEDS = (7, 8, 9)
 """Fault seeds for a design changed after seeds 4-6 were looked at (round 6, docs/RESULTS.md)."""
+THIRD_HELD_OUT_SEEDS = (10, 11, 12)
+"""Round 7: fault seeds and new 10,000-step healthy runs for ``long+logit5`` (docs/RESULTS.md)."""
 STRENGTHS = (32.0, 16.0)
 LR_SCENARIOS = ("moe-router-lr", "moe-lr")
 """Router-only 15x and whole-model 4x learning rate, as in the detector study (``long_plan``)."""
@@ -112,6 +119,8 @@ def plan_short_window_campaign(calibration_path: str, preset: Optional[Preset] =
     parents = {seed: healthy(seed, HEALTHY_ITERS, False) for seed in CALIBRATION_SEEDS}
     for seed in (3, *HELD_OUT_SEEDS, *SECOND_HELD_OUT_SEEDS):
         parents[seed] = healthy(seed, prefix_iters, True)
+    for seed in THIRD_HELD_OUT_SEEDS:  # full 10,000-step runs: held-out healthy runs and parents
+        parents[seed] = healthy(seed, HEALTHY_ITERS, False)
     def lr_fault(scenario: str, seed: int) -> CampaignRun:
         return CampaignRun(
             run_id=f"{scenario}-seed{seed}", kind="fault", scenario=scenario, seed=seed, train_iters=LR_FAULT_ITERS,
@@ -130,5 +139,15 @@ def plan_short_window_campaign(calibration_path: str, preset: Optional[Preset] =
     runs += [parents[s] for s in SECOND_HELD_OUT_SEEDS]
     for onset in FA_ONSETS:
         runs += [fault(parents[s], strength, onset) for s in SECOND_HELD_OUT_SEEDS for strength in STRENGTHS]
+    runs += [parents[s] for s in THIRD_HELD_OUT_SEEDS]
+    for onset in FA_ONSETS:
+        runs += [fault(parents[s], strength, onset) for s in THIRD_HELD_OUT_SEEDS for strength in STRENGTHS]
     return runs
+
+
+def round7_held_out_ids(calibration_path: str = PROVISIONAL_CALIBRATION) -> list[str]:
+    """The run ids of item 8 (round 7's held-out runs), in launch order: the three 10,000-step
+    healthy runs, then their FA forks. ``--only`` for ``tools/detector_study.py run``."""
+    seeds = {f"seed{s}" for s in THIRD_HELD_OUT_SEEDS}
+    return [r.run_id for r in plan_short_window_campaign(calibration_path) if r.run_id.rsplit("-", 1)[1] in seeds]
 
