@@ -1,14 +1,15 @@
-"""`make demo`: a short fault study (clean, fa, moe-lr; seed 1; 1,000 steps) on CPU in <= 10 minutes.
+"""`make demo`: a short fault study (clean, fa, moe-lr; seed 1; 1,000 steps) and the fa run recovered, on CPU.
 
 Trains three small megatron-core GPT-MoE runs with the mechanism monitors on (preset ``demo`` of
 mechmon_megatron/research/study/scenarios.py; the fa fault is an AMPLIFIED injection, see docs/RESULTS.md),
 then prints the table of first alarms, divergence and leads, and where the TensorBoard logs,
-results.json and the plots are. With ``--recovery``, a fourth line: the same fa run under ``mechmon-supervise``
+results.json and the plots are; then a fourth line: the same fa run under ``mechmon-supervise``
 (checkpoint-and-abort, a save every 100 steps): rolled back to the newest checkpoint at or before
 the alarm's change point, relaunched with the default policy's attention remedy, trained to the
-same last step; its row (alarm, rollback, remedy, final loss against the clean run).
+same last step; its row (alarm, rollback, remedy, final loss against the clean run). ``--no-recovery``
+leaves the fourth line out (the three runs only).
 
-    python tools/demo.py [--out demo_out] [--jobs N] [--train-iters N] [--recovery]
+    python tools/demo.py [--out demo_out] [--jobs N] [--train-iters N] [--no-recovery]
 """
 
 from __future__ import annotations
@@ -66,10 +67,8 @@ def main(argv=None) -> int:
                    help="Runs in parallel (default 3: all at once; each run uses one thread).")
     p.add_argument("--train-iters", type=int, default=None, help="Steps per run (default: the demo preset's).")
     p.add_argument("--trainer", default=None, help="Training script (default: the example trainer).")
-    # Opt-in until the whole demo has been measured with it (docs/RECOVERY.md): the default stays the
-    # three runs whose table docs/RESULTS.md shows.
-    p.add_argument("--recovery", action="store_true",
-                   help="Add the fourth line: the fa run under mechmon-supervise, recovered (about 1,240 more steps).")
+    p.add_argument("--no-recovery", dest="recovery", action="store_false",
+                   help="Leave out the fourth line (the fa run under mechmon-supervise: about 1,240 more steps).")
     args = p.parse_args(argv)
     preset = get_preset("demo")
     iters = args.train_iters or preset.train_iters

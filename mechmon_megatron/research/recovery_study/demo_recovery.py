@@ -95,6 +95,22 @@ def run_recovered_fa(out_dir: str, preset: Preset, train_iters: int, timeout_s: 
     return finish_recovered_fa(start_recovered_fa(out_dir, preset, train_iters), timeout_s)
 
 
+def remedy_flags(added: list[str], removed: list[str]) -> str:
+    """``set --a x; dropped --b y`` from a recovery record's flag lists: the rollback's own
+    ``--load`` / ``--ckpt-step`` left out, a replaced flag's old value not repeated as dropped."""
+    added = [x for x in added if not x.startswith(("--load ", "--ckpt-step "))]
+    replaced = {x.split()[0] for x in added}
+    dropped = [x for x in removed if x.split()[0] not in replaced]
+    return "; ".join(part for part in (f"set {', '.join(added)}" if added else "",
+                                       f"dropped {', '.join(dropped)}" if dropped else "") if part)
+
+
+def where(alert: dict[str, Any]) -> str:
+    """`` layer 1 heads 2,1,0`` from an alert's ``layers`` / ``heads`` (empty when it names none)."""
+    return "".join(f" {key[:-1] if len(alert[key]) == 1 else key} {','.join(map(str, alert[key]))}"
+                   for key in ("layers", "heads") if alert.get(key))
+
+
 def recovered_row(result: dict[str, Any], clean_metrics: str) -> list[str]:
     """Lines for the demo's output: a small table with the recovered run's row."""
     relaunches = [r for r in result["records"] if r.get("action") == "relaunch"]
@@ -110,10 +126,10 @@ def recovered_row(result: dict[str, Any], clean_metrics: str) -> list[str]:
     r = relaunches[0]
     a, c = r["alert"], r["checkpoint"]
     gap = "-" if loss is None or clean is None else f"{100 * (loss / clean - 1):+.1f} %"
-    flags = ", ".join([*(f"+{x}" for x in r["flags_added"] if not x.startswith(("--load", "--ckpt-step"))),
-                       *(f"-{x}" for x in r["flags_removed"])])
+    flags = remedy_flags(r["flags_added"], r["flags_removed"])
     lines.append(
-        f"| fa recovered by mechmon-supervise | {a['family']} at {a['iteration']} ({a['first_warning_step']}) | "
+        f"| fa recovered by mechmon-supervise | {a['family']}{where(a)} at {a['iteration']} "
+        f"({a['first_warning_step']}) | "
         f"{c['name']}{' (AFTER the change point)' if r.get('after_change_point') else ''} | {r['remedy']}: {flags} | "
         f"{len(relaunches)} | {'-' if loss is None else f'{loss:.3f}'} | {'-' if clean is None else f'{clean:.3f}'} | "
         f"{gap} |")

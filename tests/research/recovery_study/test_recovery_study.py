@@ -134,15 +134,17 @@ def test_demo_row_reads_the_records_and_the_losses(tmp_path: Path):
     metrics, clean = tmp_path / "m.jsonl", tmp_path / "c.jsonl"
     _write_rows(str(clean), [(i, 2.0) for i in range(1, 201)])
     _write_rows(str(metrics), [(i, 3.0) for i in range(1, 151)] + [(i, 2.02) for i in range(101, 201)])
-    record = {"action": "relaunch", "alert": {"family": "attn_dw", "iteration": 150, "first_warning_step": 110},
+    record = {"action": "relaunch", "alert": {"family": "attn_dw", "iteration": 150, "first_warning_step": 110,
+                                              "layers": [1], "heads": [2, 0]},
               "checkpoint": {"name": "iter_0000100"}, "after_change_point": False, "remedy": "fp32-attention-output",
               "flags_added": ["--attention-backend torch", "--load ck", "--ckpt-step 100"],
-              "flags_removed": ["--fa-fault-strength 32"]}
+              "flags_removed": ["--attention-backend emulated-lowp-fa", "--fa-fault-strength 32"]}
     result = {"records": [record, {"action": "stop"}], "train_iters": 200, "metrics": str(metrics),
               "returncode": 0, "wall_s": 1.0, "directory": str(tmp_path)}
     row = recovered_row(result, str(clean))[2]
-    assert "attn_dw at 150 (110)" in row and "iter_0000100" in row and "+--attention-backend torch" in row
-    assert "--load" not in row and "-fa-fault-strength 32" in row and "| 2.020 | 2.000 | +1.0 % |" in row
+    assert "attn_dw layer 1 heads 2,0 at 150 (110)" in row and "iter_0000100" in row
+    assert "fp32-attention-output: set --attention-backend torch; dropped --fa-fault-strength 32 |" in row
+    assert "--load" not in row and "emulated" not in row and "| 2.020 | 2.000 | +1.0 % |" in row
 
 
 def test_records_name_no_machine_folder_whether_out_was_given_relative_or_absolute(tmp_path: Path, monkeypatch):
