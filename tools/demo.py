@@ -72,8 +72,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     preset = get_preset("demo")
     iters = args.train_iters or preset.train_iters
+    fourth = " and the fa run under mechmon-supervise beside them" if args.recovery else ""
     print(f"mechmon demo: scenarios {', '.join(preset.scenarios)}, seed {preset.seeds[0]}, {iters} steps each, "
-          f"{args.jobs} runs in parallel (about 10 minutes on 2 CPU cores)", flush=True)
+          f"{args.jobs} runs in parallel{fourth} (11 minutes for the three runs on 2 idle CPU cores; the fourth "
+          "adds about 1,300 steps)", flush=True)
     capability, kernel_lines = kernel_warnings()
     for line in kernel_lines:
         print(line, flush=True)
