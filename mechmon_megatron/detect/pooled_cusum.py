@@ -211,7 +211,9 @@ class PooledAlarm:
     statistic: float
     threshold: float
     change_step: Optional[int]
-    """Check after which the shift began (the CUSUM's last zero); None if unknown."""
+    """Check after which the shift began (the CUSUM's last zero); for an absolute-limit alarm the
+    detector's first check (no baseline has existed since, so the drift may predate it: the
+    earliest step it can have begun is the start of that check's window); None if unknown."""
     reason: str = ""
 
 
@@ -243,11 +245,11 @@ class _Cusum:
 
 
 def _stream_alarm(step: int, obs: Observation, kind: str, statistic: float, threshold: float,
-                  reason: str) -> PooledAlarm:
+                  reason: str, change_step: Optional[int] = None) -> PooledAlarm:
     """A layer-level alarm raised by one stream alone (a non-finite value, the absolute limit)."""
     return PooledAlarm(
         step=step, family=obs.family, level="layer", kind=kind, layers=(obs.layer,), members=(obs.member,),
-        statistic=statistic, threshold=threshold, change_step=None, reason=reason,
+        statistic=statistic, threshold=threshold, change_step=change_step, reason=reason,
     )
 
 
@@ -276,6 +278,8 @@ class PooledCusumDetector:
         self._layer_cusums: dict[tuple[str, int], _Cusum] = {}
         self._family_cusums: dict[str, _Cusum] = {}
         self._last_step: Optional[int] = None
+        self._first_step: Optional[int] = None
+        """Step of the first check this detector judged (kept in its state across resumes)."""
         self.first_alarm_steps: dict[str, int] = {}
         """Family -> step of its first alarm (any level)."""
 
@@ -283,6 +287,8 @@ class PooledCusumDetector:
     def update(self, step: int, observations: Iterable[Observation]) -> CheckResult:
         """Judge one check; every observation of the check must be passed in one call."""
         result = CheckResult(step)
+        if self._last_step is None:  # a fresh detector (a resumed one keeps the first check it had)
+            self._first_step = step
         by_family: dict[str, list[Observation]] = {}
         for obs in observations:
             if obs.family not in FAMILY_DIRECTIONS:
@@ -332,7 +338,7 @@ class PooledCusumDetector:
                         self._limit_runs[key] = run
                         if run == cfg.limit_patience:
                             result.alarms.append(_stream_alarm(step, obs, "limit", obs.value, obs.limit,
-                                                               obs.limit_reason))
+                                                               obs.limit_reason, self._first_step))
                         continue
                     self._limit_runs[key] = 0
                     to_accept.append((key, obs.value))
@@ -442,6 +448,7 @@ class PooledCusumDetector:
         return {
             "version": POOLED_STATE_VERSION,
             "last_step": self._last_step,
+            "first_step": self._first_step,
             "trends": [[*key, t.state_dict()["values"]] for key, t in sorted(self._trends.items())],
             "limit_runs": [[*key, run] for key, run in sorted(self._limit_runs.items())],
             "layer_cusums": [[f, L, c.value, c.last_zero_step] for (f, L), c in sorted(self._layer_cusums.items())],
@@ -466,6 +473,7 @@ class PooledCusumDetector:
         self._layer_cusums = {(f, int(L)): _Cusum(float(v), z) for f, L, v, z in state["layer_cusums"]}
         self._family_cusums = {f: _Cusum(float(v), z) for f, v, z in state["family_cusums"]}
         self._last_step = state["last_step"]
+        self._first_step = state.get("first_step")  # a state of an older release has none: unknown
         self.first_alarm_steps = {k: int(v) for k, v in state["first_alarm_steps"].items()}
         if self.misfit is not None and "misfit" in state:  # state of an older version has none: start at 0
             self.misfit.load_state_dict(state["misfit"])

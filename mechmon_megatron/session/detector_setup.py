@@ -132,7 +132,10 @@ def alert_of(alarm: PooledAlarm, config: MechmonConfig, design: SequentialConfig
 
     ``first_warning_step`` is the earliest step the shift can have begun: for a CUSUM alarm the
     first check after the CUSUM's last zero saw the window ``(change + interval - delta, ...]``;
-    for the absolute limit, the first of its ``limit_patience`` checks.
+    for the absolute limit, which judges a stream that never had a baseline, the start of the
+    window of the detector's first check (the drift towards the limit may have begun before the
+    values crossed it; a detector state of an older release: the first of its ``limit_patience``
+    checks).
     """
     heads = [h for h in (_head_index(m) for m in alarm.members) if h is not None]
     layer = alarm.layers[0] if alarm.layers else None
@@ -149,7 +152,8 @@ def alert_of(alarm: PooledAlarm, config: MechmonConfig, design: SequentialConfig
         )
     elif alarm.kind == "limit":
         stream = f"{alarm.family}/layer_{layer}"
-        first = max(0, alarm.step - (design.limit_patience - 1) * config.interval)
+        first = (max(0, alarm.change_step - config.delta) if alarm.change_step is not None
+                 else max(0, alarm.step - (design.limit_patience - 1) * config.interval))
         reason = alarm.reason
     else:
         stream = f"{alarm.family}/layer_{layer}"

@@ -166,18 +166,24 @@ class Supervisor:
         # The same list again after a relaunch from episode.point: that point evidently holds part
         # of the fault (the remedy was applied from there and the family alarmed again), so the
         # rollback goes at least one save further back; with none older, to the command's own start.
+        # The command's own start is a rollback point too: with no checkpoint at or before the change
+        # point, it is the one that is (an alarm whose drift may predate every save: the limit rule).
         limit = alert.change_point
         if again and episode.point is not None:
             limit = min(limit, episode.point - 1)
         checkpoints = list_checkpoints(self.config.save)
         selection = select_rollback(checkpoints, limit, alert.iteration)
-        from_start = again and episode.point is not None and not any(c.iteration <= limit for c in checkpoints)
-        if from_start:
+        no_older = not any(c.iteration <= limit for c in checkpoints)
+        if no_older and again and episode.point is not None:
             after = self._start_iteration() > alert.change_point
             selection = Selection(None, after, f"{alert.family} alarmed again after the relaunch from iteration "
                                                f"{episode.point}: that point holds part of the fault, and no "
                                                "checkpoint is older: from the command's own start"
                                                + (" (saved AFTER the change point)" if after else ""))
+        elif no_older and self._start_iteration() <= limit and selection.checkpoint is not None:
+            selection = Selection(None, False, f"no checkpoint at or before the change point (step {limit}); the "
+                                               f"command's own start (iteration {self._start_iteration()}) is: "
+                                               "from the command's own start")
         elif selection.checkpoint is None:
             return self._stop(selection.why, code, alert=info, why=selection.why)
         elif limit < alert.change_point and not selection.after_change_point:

@@ -124,16 +124,45 @@ def test_absolute_limit_stands_in_before_the_baseline():
             )
         ]
 
-    assert not det.update(10, obs(0.5)).alarms
+    assert not det.update(10, obs(1.5)).alarms  # above the limit: accepted, but no baseline yet
     assert not det.update(20, obs(0.5)).alarms
-    (alarm,) = det.update(30, obs(0.5)).alarms
+    assert not det.update(30, obs(0.5)).alarms
+    (alarm,) = det.update(40, obs(0.5)).alarms
     assert alarm.kind == "limit" and alarm.layers == (2,) and alarm.reason == "below log(top-k)"
-    assert not det._trends[("router_entropy", 2, "token_entropy")].values  # never absorbed
+    # No baseline has existed since the first check: the change point is that check, not the
+    # first value beyond the limit (the drift towards it may have begun before the values crossed it).
+    assert alarm.change_step == 10
+    assert list(det._trends[("router_entropy", 2, "token_entropy")].values) == [1.5]  # beyond it: never absorbed
     det2 = PooledCusumDetector(thresholds(families=fam), CFG)
     for i in range(1, 7):
         det2.update(10 * i, obs(1.5))
     for i in range(7, 12):  # with a baseline the limit no longer decides
         assert not [a for a in det2.update(10 * i, obs(1.5)).alarms if a.kind == "limit"]
+
+
+def test_limit_change_point_is_the_first_check_across_a_resume():
+    import json
+
+    fam = ("router_entropy",)
+
+    def obs(v):
+        return [Observation(family="router_entropy", layer=1, member="token_entropy", value=v, limit=0.69)]
+
+    det = PooledCusumDetector(thresholds(families=fam), CFG)
+    det.update(100, obs(1.5))
+    det.update(120, obs(0.5))
+    resumed = PooledCusumDetector(thresholds(families=fam), CFG)
+    resumed.load_state_dict(json.loads(json.dumps(det.state_dict())))
+    assert not resumed.update(140, obs(0.5)).alarms
+    (alarm,) = resumed.update(160, obs(0.5)).alarms
+    assert alarm.kind == "limit" and alarm.change_step == 100
+    older = det.state_dict()
+    del older["first_step"]  # a state saved by an older release: the change point is unknown
+    legacy = PooledCusumDetector(thresholds(families=fam), CFG)
+    legacy.load_state_dict(older)
+    legacy.update(140, obs(0.5))
+    (alarm,) = legacy.update(160, obs(0.5)).alarms
+    assert alarm.change_step is None
 
 
 def test_non_finite_value_alarms_at_once():

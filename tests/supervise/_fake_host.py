@@ -74,7 +74,7 @@ def main() -> int:
         time.sleep(60)
         return 0
     save_at = _checkpoint if args.layout == "megatron" else _tag
-    if args.load is None:
+    if args.load is None or (args.ckpt_step is not None and args.load != args.save):  # not a rollback
         save_at(args.save, 5)
         save_at(args.save, 10)
     abort = save_at(args.save, 12)

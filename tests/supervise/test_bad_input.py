@@ -130,12 +130,27 @@ def test_missing_checkpoint_and_after_change_point(tmp_path: Path):
     save = tmp_path / "none"
     out = supervise([], _host(save, "--plan", "alarm", "--load", str(tmp_path / "pretrained")))  # no 5, 10: only 12
     assert out.returncode == 42 and "no finished checkpoint before the alarm" in records(save)[-1]["reason"]
-    save = tmp_path / "late"
-    out = supervise([], [*_host(save, "--plan", "alarm,ok"), "--first-warning", "3"])
+    save = tmp_path / "late"  # started from a checkpoint at 4, after the change point 3
+    out = supervise([], [*_host(save, "--plan", "alarm,ok", "--load", str(tmp_path / "pretrained"), "--ckpt-step",
+                                "4"), "--first-warning", "3"])
     assert out.returncode == 0, out.output
     relaunch = records(save)[0]
     assert relaunch["checkpoint"]["name"] == "iter_0000005" and relaunch["after_change_point"] is True
     assert "saved AFTER the change point" in out.output
+
+
+def test_change_point_before_every_save_goes_back_to_the_commands_start(tmp_path: Path):
+    """An alarm whose drift may predate every save (the routing-entropy floor in the detector's
+    warm-up: change point 0): the command's own start is at or before it, the saves are not."""
+    save = tmp_path / "ck"
+    out = supervise([], [*_host(save, "--plan", "alarm,ok", "--family", "router_entropy", "--lr", "0.008"),
+                         "--first-warning", "0"])
+    assert out.returncode == 0, out.output
+    relaunch = records(save)[0]
+    assert relaunch["checkpoint"]["name"] == "start" and relaunch["after_change_point"] is False
+    assert "the command's own start (iteration 0) is" in relaunch["why"]
+    second = _launches(save)[1]
+    assert "--load" not in second and second[second.index("--lr") + 1] == "0.004"
 
 
 def test_crash_and_nonfinite_are_not_relaunched(tmp_path: Path):
