@@ -296,12 +296,33 @@ def summarize(out: str, cell: Cell) -> dict[str, Any]:
     }
 
 
+def merged_with_earlier(record: dict[str, Any], path: str) -> dict[str, Any]:
+    """``record`` with the operators it has not run taken from the record already at ``path`` (a
+    campaign folder on another machine ran them): the runs are deterministic under the CPU pin, so
+    an operator rerun alone (``--operators mechmon``) joins the others of the same cell."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            earlier = json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return record
+    if earlier.get("cell") != record["cell"]:
+        return record
+    merged = dict(record, operators=dict(record["operators"]))
+    for op, body in (earlier.get("operators") or {}).items():
+        if merged["operators"].get(op, {}).get("status") == "not run" and body.get("status") != "not run":
+            merged["operators"][op] = body
+    if merged.get("clean_loss_smoothed") is None:
+        merged["clean_loss_smoothed"] = earlier.get("clean_loss_smoothed")
+    return merged
+
+
 def write_record(record: dict[str, Any], dest: str, out: Optional[str] = None) -> str:
-    """Write one cell's record; with ``out`` (the campaign folder), paths under it are written as
-    ``<out>/...`` so the committed records name no machine's folders."""
+    """Write one cell's record (merged with the operators an earlier record of the cell has and this
+    one has not run); with ``out`` (the campaign folder), paths under it are written as ``<out>/...``
+    so the committed records name no machine's folders."""
     os.makedirs(dest, exist_ok=True)
     path = os.path.join(dest, f"{record['cell']}.json")
-    text = json.dumps(record, indent=1, sort_keys=True)
+    text = json.dumps(merged_with_earlier(record, path), indent=1, sort_keys=True)
     if out:  # the launches name it as given (maybe relative) and the supervisor as an absolute path
         for prefix in sorted({os.path.abspath(out), os.path.normpath(out)}, key=len, reverse=True):
             text = text.replace(prefix.rstrip(os.sep) + os.sep, "<out>/")

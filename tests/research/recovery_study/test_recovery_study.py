@@ -160,3 +160,21 @@ def test_records_name_no_machine_folder_whether_out_was_given_relative_or_absolu
     assert str(tmp_path) not in text and "runs/" not in text
     assert json.loads(text)["paths"] == ["<out>/fa-s32-on500-seed1/mechmon/ck/iter_0000500",
                                          "<out>/fa-s32-on500-seed1/mechmon/ck/iter_0000760"]
+
+
+def test_an_operator_rerun_alone_joins_the_earlier_record_of_its_cell(tmp_path: Path):
+    from mechmon_megatron.research.recovery_study.campaign import write_record
+
+    earlier = {"cell": "moe-lr-seed1", "clean_loss_smoothed": 1.48,
+               "operators": {"none": {"status": "done", "loss_smoothed": 1.9}, "practice": {"status": "done"},
+                             "mechmon": {"status": "done", "restarts": 2}}}
+    write_record(earlier, str(tmp_path))
+    rerun = {"cell": "moe-lr-seed1", "clean_loss_smoothed": None,
+             "operators": {"none": {"status": "not run"}, "practice": {"status": "not run"},
+                           "mechmon": {"status": "done", "restarts": 1}}}
+    merged = json.loads(Path(write_record(rerun, str(tmp_path))).read_text())
+    assert merged["operators"]["mechmon"]["restarts"] == 1  # the new run wins where it ran
+    assert merged["operators"]["none"]["loss_smoothed"] == 1.9 and merged["clean_loss_smoothed"] == 1.48
+    other = {"cell": "moe-lr-seed2", "clean_loss_smoothed": None, "operators": {"none": {"status": "not run"}}}
+    assert json.loads(Path(write_record(other, str(tmp_path))).read_text())["operators"]["none"] == {
+        "status": "not run"}  # another cell's record is never read
