@@ -282,6 +282,30 @@ def _recovery(ckpt: str) -> list[dict[str, Any]]:
     return [{k: r.get(k) for k in keys} for r in recovery_records(ckpt)]
 
 
+def environment() -> dict[str, Any]:
+    """What a record's numbers depend on beyond its flags: the stack and the CPU (records of one
+    cell from two machines or venvs are only comparable when these agree)."""
+    import platform
+    from importlib import metadata
+
+    from mechmon_megatron.research.reproducible_cpu import PINNED_CPU_SETTINGS
+
+    def version(name: str) -> Optional[str]:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"python": platform.python_version(), "torch": version("torch"), "megatron-core": version("megatron-core"),
+            "cpu": cpu, "pinned": dict(PINNED_CPU_SETTINGS)}
+
+
 def summarize(out: str, cell: Cell) -> dict[str, Any]:
     clean = LaunchState.load(clean_dir(out, cell))
     clean_kept = kept_trajectory(clean) if clean.launches else {}
@@ -290,7 +314,7 @@ def summarize(out: str, cell: Cell) -> dict[str, Any]:
         "version": RECORD_VERSION, "cell": cell.cell_id, "scenario": cell.scenario, "seed": cell.seed,
         "strength": cell.strength if cell.scenario == "fa" else None,
         "onset": cell.onset if cell.scenario == "fa" else 1, "fork": cell.fork, "train_iters": cell.train_iters,
-        "smoothing_steps": SMOOTH_STEPS, "clean_loss_smoothed": clean_loss,
+        "smoothing_steps": SMOOTH_STEPS, "clean_loss_smoothed": clean_loss, "environment": environment(),
         "clean_wall_s": round(sum(launch.wall_s for launch in clean.launches), 1),
         "operators": {op: summarize_operator(out, cell, op, clean_loss) for op in OPERATORS},
     }

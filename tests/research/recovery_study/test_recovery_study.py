@@ -178,3 +178,14 @@ def test_an_operator_rerun_alone_joins_the_earlier_record_of_its_cell(tmp_path: 
     other = {"cell": "moe-lr-seed2", "clean_loss_smoothed": None, "operators": {"none": {"status": "not run"}}}
     assert json.loads(Path(write_record(other, str(tmp_path))).read_text())["operators"]["none"] == {
         "status": "not run"}  # another cell's record is never read
+
+
+def test_records_say_which_stack_and_cpu_made_them():
+    import platform
+
+    from mechmon_megatron.research.recovery_study.campaign import environment
+    from mechmon_megatron.research.reproducible_cpu import PINNED_CPU_SETTINGS
+
+    env = environment()
+    assert env["python"] == platform.python_version() and env["torch"] and env["cpu"]
+    assert env["pinned"] == PINNED_CPU_SETTINGS
