@@ -212,8 +212,9 @@ class PooledAlarm:
     threshold: float
     change_step: Optional[int]
     """Check after which the shift began (the CUSUM's last zero); for an absolute-limit alarm the
-    detector's first check (no baseline has existed since, so the drift may predate it: the
-    earliest step it can have begun is the start of that check's window); None if unknown."""
+    first check of the stream's present period without a baseline (since it started or was
+    restarted after an alarm: the drift may predate the values' crossing, so the earliest step it
+    can have begun is the start of that check's window); None if unknown."""
     reason: str = ""
 
 
@@ -278,8 +279,9 @@ class PooledCusumDetector:
         self._layer_cusums: dict[tuple[str, int], _Cusum] = {}
         self._family_cusums: dict[str, _Cusum] = {}
         self._last_step: Optional[int] = None
-        self._first_step: Optional[int] = None
-        """Step of the first check this detector judged (kept in its state across resumes)."""
+        self._unbased_since: Optional[dict[tuple[str, int, str], int]] = {}
+        """Stream -> first check of its present period without a baseline (from its first value, or
+        its restart after an alarm); kept in the state; None: unknown (a state of an older release)."""
         self.first_alarm_steps: dict[str, int] = {}
         """Family -> step of its first alarm (any level)."""
 
@@ -287,8 +289,6 @@ class PooledCusumDetector:
     def update(self, step: int, observations: Iterable[Observation]) -> CheckResult:
         """Judge one check; every observation of the check must be passed in one call."""
         result = CheckResult(step)
-        if self._last_step is None:  # a fresh detector (a resumed one keeps the first check it had)
-            self._first_step = step
         by_family: dict[str, list[Observation]] = {}
         for obs in observations:
             if obs.family not in FAMILY_DIRECTIONS:
@@ -332,13 +332,15 @@ class PooledCusumDetector:
                     restart_layers.add(layer)
                     continue
                 prediction = trend.predict()
+                if self._unbased_since is not None:
+                    self._unbased_since.setdefault(key, step)
                 if prediction is None:
                     if obs.limit is not None and self._beyond(family, obs.value, obs.limit):
                         run = self._limit_runs.get(key, 0) + 1
                         self._limit_runs[key] = run
                         if run == cfg.limit_patience:
                             result.alarms.append(_stream_alarm(step, obs, "limit", obs.value, obs.limit,
-                                                               obs.limit_reason, self._first_step))
+                                                               obs.limit_reason, self._since(key)))
                         continue
                     self._limit_runs[key] = 0
                     to_accept.append((key, obs.value))
@@ -429,6 +431,11 @@ class PooledCusumDetector:
             for key, trend in self._trends.items():
                 if key[0] == family and key[1] == layer:
                     trend.reset()
+                    if self._unbased_since is not None:
+                        self._unbased_since.pop(key, None)  # a new period begins at its next check
+
+    def _since(self, key: tuple[str, int, str]) -> Optional[int]:
+        return None if self._unbased_since is None else self._unbased_since.get(key)
 
     def _shewhart_fires(self, u: float, levels: Thresholds) -> bool:
         return self.config.shewhart and levels.shewhart is not None and u > levels.shewhart
@@ -448,7 +455,8 @@ class PooledCusumDetector:
         return {
             "version": POOLED_STATE_VERSION,
             "last_step": self._last_step,
-            "first_step": self._first_step,
+            **({"unbased_since": [[*key, s] for key, s in sorted(self._unbased_since.items())]}
+               if self._unbased_since is not None else {}),
             "trends": [[*key, t.state_dict()["values"]] for key, t in sorted(self._trends.items())],
             "limit_runs": [[*key, run] for key, run in sorted(self._limit_runs.items())],
             "layer_cusums": [[f, L, c.value, c.last_zero_step] for (f, L), c in sorted(self._layer_cusums.items())],
@@ -473,7 +481,8 @@ class PooledCusumDetector:
         self._layer_cusums = {(f, int(L)): _Cusum(float(v), z) for f, L, v, z in state["layer_cusums"]}
         self._family_cusums = {f: _Cusum(float(v), z) for f, v, z in state["family_cusums"]}
         self._last_step = state["last_step"]
-        self._first_step = state.get("first_step")  # a state of an older release has none: unknown
+        since = state.get("unbased_since")  # a state of an older release has none: unknown
+        self._unbased_since = None if since is None else {(f, int(L), m): int(s) for f, L, m, s in since}
         self.first_alarm_steps = {k: int(v) for k, v in state["first_alarm_steps"].items()}
         if self.misfit is not None and "misfit" in state:  # state of an older version has none: start at 0
             self.misfit.load_state_dict(state["misfit"])

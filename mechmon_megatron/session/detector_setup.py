@@ -132,10 +132,10 @@ def alert_of(alarm: PooledAlarm, config: MechmonConfig, design: SequentialConfig
 
     ``first_warning_step`` is the earliest step the shift can have begun: for a CUSUM alarm the
     first check after the CUSUM's last zero saw the window ``(change + interval - delta, ...]``;
-    for the absolute limit, which judges a stream that never had a baseline, the start of the
-    window of the detector's first check (the drift towards the limit may have begun before the
-    values crossed it; a detector state of an older release: the first of its ``limit_patience``
-    checks).
+    for the absolute limit, which judges a stream while it has no baseline, the start of the
+    window of the first check of that period (the drift towards the limit may have begun before
+    the values crossed it; a detector state of an older release: the first of its
+    ``limit_patience`` checks).
     """
     heads = [h for h in (_head_index(m) for m in alarm.members) if h is not None]
     layer = alarm.layers[0] if alarm.layers else None

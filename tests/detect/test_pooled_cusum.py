@@ -129,8 +129,8 @@ def test_absolute_limit_stands_in_before_the_baseline():
     assert not det.update(30, obs(0.5)).alarms
     (alarm,) = det.update(40, obs(0.5)).alarms
     assert alarm.kind == "limit" and alarm.layers == (2,) and alarm.reason == "below log(top-k)"
-    # No baseline has existed since the first check: the change point is that check, not the
-    # first value beyond the limit (the drift towards it may have begun before the values crossed it).
+    # No baseline has existed since the stream's first check: the change point is that check, not
+    # the first value beyond the limit (the drift towards it may have begun before the values crossed it).
     assert alarm.change_step == 10
     assert list(det._trends[("router_entropy", 2, "token_entropy")].values) == [1.5]  # beyond it: never absorbed
     det2 = PooledCusumDetector(thresholds(families=fam), CFG)
@@ -157,12 +157,28 @@ def test_limit_change_point_is_the_first_check_across_a_resume():
     (alarm,) = resumed.update(160, obs(0.5)).alarms
     assert alarm.kind == "limit" and alarm.change_step == 100
     older = det.state_dict()
-    del older["first_step"]  # a state saved by an older release: the change point is unknown
+    del older["unbased_since"]  # a state saved by an older release: the change point is unknown
     legacy = PooledCusumDetector(thresholds(families=fam), CFG)
     legacy.load_state_dict(older)
     legacy.update(140, obs(0.5))
     (alarm,) = legacy.update(160, obs(0.5)).alarms
     assert alarm.change_step is None
+
+
+def test_limit_change_point_after_a_restart_is_the_first_check_of_the_new_period():
+    fam = ("router_entropy",)
+
+    def obs(v):
+        return [Observation(family="router_entropy", layer=1, member="token_entropy", value=v, limit=0.69)]
+
+    det = PooledCusumDetector(thresholds(families=fam), CFG)
+    for i in range(1, 8):  # a baseline forms: the limit no longer judges
+        det.update(10 * i, obs(1.5))
+    (restart,) = det.update(80, obs(float("nan"))).alarms  # the layer restarts: no baseline again
+    assert restart.kind == "nonfinite"
+    assert not det.update(90, obs(0.5)).alarms and not det.update(100, obs(0.5)).alarms
+    (alarm,) = det.update(110, obs(0.5)).alarms
+    assert alarm.kind == "limit" and alarm.change_step == 90
 
 
 def test_non_finite_value_alarms_at_once():

@@ -28,6 +28,8 @@ def measured_lags() -> dict[int, list[tuple[str, str, int]]]:
         for run, alarms in sorted(info["alarms_at_default_rate"].items()):
             for a in alarms:
                 change = a["change_step"] if a["change_step"] is not None else a["step"] - interval
+                if a["kind"] == "limit" and a["change_step"] is not None:
+                    change -= interval  # its change step is the period's first check, not the check before it
                 rows.append((run, a["family"], (a["step"] - change) // interval))
         out[interval] = rows
     return out
