@@ -13,7 +13,7 @@ def _limit_alarm(change_step):
 
 def test_limit_alert_reaches_back_to_the_first_checks_window():
     """The limit judges a stream that never had a baseline: the drift may have begun anywhere since
-    the detector's first check (100 here), whose window starts at 100 - delta."""
+    the stream's first check without a baseline (100 here), whose window starts at 100 - delta."""
     config = MechmonConfig(enabled=True, interval=20, delta=100)
     design, _ = load_detector_design(config)
     alert = alert_of(_limit_alarm(100), config, design)
