@@ -322,8 +322,10 @@ def summarize(out: str, cell: Cell) -> dict[str, Any]:
 
 def merged_with_earlier(record: dict[str, Any], path: str) -> dict[str, Any]:
     """``record`` with the operators it has not run taken from the record already at ``path`` (a
-    campaign folder on another machine ran them): the runs are deterministic under the CPU pin, so
-    an operator rerun alone (``--operators mechmon``) joins the others of the same cell."""
+    campaign folder on another machine ran them), so an operator rerun alone (``--operators
+    mechmon``) joins the others of the same cell. The taken ones are listed under
+    ``operators_from_earlier_record``: their ``environment`` may differ (the CPU pin did not give
+    the same bits on every machine, docs/RECOVERY.md)."""
     try:
         with open(path, encoding="utf-8") as f:
             earlier = json.load(f)
@@ -332,9 +334,14 @@ def merged_with_earlier(record: dict[str, Any], path: str) -> dict[str, Any]:
     if earlier.get("cell") != record["cell"]:
         return record
     merged = dict(record, operators=dict(record["operators"]))
+    taken = []
     for op, body in (earlier.get("operators") or {}).items():
         if merged["operators"].get(op, {}).get("status") == "not run" and body.get("status") != "not run":
             merged["operators"][op] = body
+            taken.append(op)
+    if taken:
+        before = earlier.get("operators_from_earlier_record", [])
+        merged["operators_from_earlier_record"] = sorted(set(taken) | set(before))
     if merged.get("clean_loss_smoothed") is None:
         merged["clean_loss_smoothed"] = earlier.get("clean_loss_smoothed")
     return merged

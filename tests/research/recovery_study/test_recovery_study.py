@@ -175,6 +175,7 @@ def test_an_operator_rerun_alone_joins_the_earlier_record_of_its_cell(tmp_path: 
     merged = json.loads(Path(write_record(rerun, str(tmp_path))).read_text())
     assert merged["operators"]["mechmon"]["restarts"] == 1  # the new run wins where it ran
     assert merged["operators"]["none"]["loss_smoothed"] == 1.9 and merged["clean_loss_smoothed"] == 1.48
+    assert merged["operators_from_earlier_record"] == ["none", "practice"]
     other = {"cell": "moe-lr-seed2", "clean_loss_smoothed": None, "operators": {"none": {"status": "not run"}}}
     assert json.loads(Path(write_record(other, str(tmp_path))).read_text())["operators"]["none"] == {
         "status": "not run"}  # another cell's record is never read
