@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from mechmon_megatron.supervise.alerts import AlertError, AlertInfo, alert_files, new_alert_path, read_alert
-from mechmon_megatron.supervise.checkpoints import Selection, latest_checkpoint, list_checkpoints, select_rollback
+from mechmon_megatron.supervise.checkpoints import (
+    Checkpoint, Selection, latest_checkpoint, list_checkpoints, select_rollback)
 from mechmon_megatron.supervise.command import LaunchCommand, flag_values, remove_flag, set_flag
 from mechmon_megatron.supervise.host import HostFlags
 from mechmon_megatron.supervise.notify import Notifier
@@ -59,6 +60,9 @@ class Supervisor:
     _episode: _Episode = field(default_factory=_Episode)
     _initial: Optional[list[str]] = None
     """The first launch's host flags: its own start (``--load`` / the selection flag, or none)."""
+    _resumed: Optional[Checkpoint] = None
+    """What the first launch resumed without a selection flag: the latest checkpoint in its
+    ``--load`` folder just before it started (None: it started fresh, or chose one by flag)."""
 
     # ------------------------------------------------------------------ process
     def _forward(self, signum: int, _frame) -> None:
@@ -94,13 +98,44 @@ class Supervisor:
             return 128 - code
         return code if code else 2
 
+    def _remember_start(self) -> None:
+        """Before the first launch: its flags, and what its ``--load`` would resume (the latest
+        checkpoint there now: with ``--load`` = ``--save`` the later saves replace it as latest)."""
+        self._initial = list(self.command.host_args)
+        load = flag_values(self._initial, "--load")
+        chosen = flag_values(self._initial, self.config.select_flag) if self.config.select_flag else None
+        if load and not chosen:
+            self._resumed = latest_checkpoint(load[0])
+
     def _start_iteration(self) -> int:
-        """Iterations done at the first launch's own start (its selection flag with --load, else 0)."""
+        """Iterations done at the first launch's own start (its selection flag with --load, or the
+        checkpoint its --load resumed, else 0)."""
         initial = self._initial or []
         step = flag_values(initial, self.config.select_flag) if self.config.select_flag else None
         if step and flag_values(initial, "--load") and step[0].isdigit():
             return int(step[0])
-        return 0
+        return self._resumed.iteration if self._resumed else 0
+
+    def _start_flags(self, args: list[str], select_flag: Optional[str]) -> tuple[Optional[list[str]], str]:
+        """``args`` set to load what the first launch loaded; (None, why) when the host cannot."""
+        initial = self._initial or []
+        load = flag_values(initial, "--load")
+        chosen = flag_values(initial, select_flag) if select_flag else None
+        for flag in ("--load", *([select_flag] if select_flag else [])):
+            original = flag_values(initial, flag)
+            args = remove_flag(args, flag) if original is None else set_flag(args, flag, original)
+        same_folder = bool(load) and os.path.realpath(load[0]) == os.path.realpath(self.config.save)
+        if not same_folder or chosen:
+            return args, ""
+        # --load is the --save folder: its latest checkpoint is now a later save, not the start.
+        if self._resumed is None:
+            return remove_flag(args, "--load"), ("--load dropped: the first launch found no checkpoint in it (= "
+                                                  "--save) and started fresh; it now holds later saves")
+        if select_flag is None:
+            return None, (f"the command's own start is {self._resumed.name} in --load (= --save), which is no longer "
+                          f"its latest, and the host has no {self.config.select_flag} to load it")
+        value = str(self._resumed.iteration) if self._resumed.layout == "megatron" else self._resumed.name
+        return set_flag(args, select_flag, [value]), f"the command's own start: {self._resumed.name}, by {select_flag}"
 
     def run(self) -> int:
         previous = {s: signal.signal(s, self._forward) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -116,6 +151,8 @@ class Supervisor:
             if self._signal is not None:  # arrived between two launches: do not start another
                 return self._stop(f"stopped by signal {signal.Signals(self._signal).name} before a relaunch",
                                   128 + self._signal)
+            if self.launches == 0:
+                self._remember_start()
             code, started = self._launch()
             if self._signal is not None:
                 return self._stop(f"stopped by signal {signal.Signals(self._signal).name} (passed to the command)",
@@ -161,8 +198,6 @@ class Supervisor:
                               f"{self.config.window} steps of the relaunch from {episode.point}: every {list_name} "
                               f"remedy tried ({tried})", code, alert=info)
         before = self.command.host_args
-        if self._initial is None:
-            self._initial = list(before)
         # The same list again after a relaunch from episode.point: that point evidently holds part
         # of the fault (the remedy was applied from there and the family alarmed again), so the
         # rollback goes at least one save further back; with none older, to the command's own start.
@@ -180,7 +215,7 @@ class Supervisor:
                                                f"{episode.point}: that point holds part of the fault, and no "
                                                "checkpoint is older: from the command's own start"
                                                + (" (saved AFTER the change point)" if after else ""))
-        elif no_older and self._start_iteration() <= limit and selection.checkpoint is not None:
+        elif no_older and self._start_iteration() <= limit:
             selection = Selection(None, False, f"no checkpoint at or before the change point (step {limit}); the "
                                                f"command's own start (iteration {self._start_iteration()}) is: "
                                                "from the command's own start")
@@ -207,11 +242,11 @@ class Supervisor:
         wanted = self.config.select_flag
         select_flag = wanted if (wanted and self.host.has(wanted)) else None
         ckpt = selection.checkpoint
-        if ckpt is None:  # from the start: the first launch's own --load and selection flag, or none
-            args = list(applied.args)
-            for flag in ("--load", *([select_flag] if select_flag else [])):
-                original = flag_values(self._initial, flag)
-                args = remove_flag(args, flag) if original is None else set_flag(args, flag, original)
+        start_note = ""
+        if ckpt is None:  # from the start: what the first launch loaded (its --load, selection flag), or none
+            args, start_note = self._start_flags(list(applied.args), select_flag)
+            if args is None:
+                return self._stop(start_note, code, alert=info, why=selection.why)
             where = {"name": "start", "iteration": start_iteration, "path": None, "layout": "start"}
         else:
             latest = latest_checkpoint(self.config.save)
@@ -232,6 +267,6 @@ class Supervisor:
                     f"remedy {index + 1}/{len(remedies)} of {list_name}"),
             checkpoint=where,
             after_change_point=selection.after_change_point, why=selection.why, remedy=chosen.remedy.name,
-            flags_removed=removed, flags_added=added, notes=[*passed, *applied.notes],
+            flags_removed=removed, flags_added=added, notes=[*passed, *applied.notes, *([start_note] if start_note else [])],
             command=list(self.command.argv)))
         return None

@@ -74,7 +74,9 @@ def main() -> int:
         time.sleep(60)
         return 0
     save_at = _checkpoint if args.layout == "megatron" else _tag
-    if args.load is None or (args.ckpt_step is not None and args.load != args.save):  # not a rollback
+    resumes = args.load is not None and any(os.path.exists(os.path.join(args.load, name))
+                                            for name in ("latest_checkpointed_iteration.txt", "latest"))
+    if not resumes or (args.ckpt_step is not None and args.load != args.save):  # not a rollback
         save_at(args.save, 5)
         save_at(args.save, 10)
     abort = save_at(args.save, 12)

@@ -126,9 +126,16 @@ def test_corrupt_foreign_missing_and_stale_alerts(tmp_path: Path):
     assert out.returncode == 42 and "written before this launch" in records(save)[-1]["reason"], out.output
 
 
+def _megatron_save(folder: Path, iteration: int) -> None:
+    (folder / f"iter_{iteration:07d}").mkdir(parents=True)
+    (folder / f"iter_{iteration:07d}" / "metadata.json").write_text("{}")
+    (folder / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+
+
 def test_missing_checkpoint_and_after_change_point(tmp_path: Path):
-    save = tmp_path / "none"
-    out = supervise([], _host(save, "--plan", "alarm", "--load", str(tmp_path / "pretrained")))  # no 5, 10: only 12
+    save, pretrained = tmp_path / "none", tmp_path / "pretrained"
+    _megatron_save(pretrained, 11)  # the first launch resumes 11 (its tracker): after the change point 10
+    out = supervise([], _host(save, "--plan", "alarm", "--load", str(pretrained)))  # no 5, 10: only 12
     assert out.returncode == 42 and "no finished checkpoint before the alarm" in records(save)[-1]["reason"]
     save = tmp_path / "late"  # started from a checkpoint at 4, after the change point 3
     out = supervise([], [*_host(save, "--plan", "alarm,ok", "--load", str(tmp_path / "pretrained"), "--ckpt-step",
@@ -205,3 +212,34 @@ def test_again_with_no_older_checkpoint_goes_back_to_the_commands_start(tmp_path
     assert "no checkpoint is older: from the command's own start" in recs[2]["why"]
     last = _launches(save)[3]
     assert "--load" not in last and "--ckpt-step" not in last and last[last.index("--lr") + 1] == "0.001"
+
+
+def test_load_is_save_and_the_first_launch_started_fresh(tmp_path: Path):
+    """``--load X --save X`` (Megatron's usual script) on an empty X: a rollback to the command's
+    own start must not keep ``--load X``, which would resume the abort's checkpoint."""
+    save = tmp_path / "ck"
+    out = supervise(["--select-flag="], [*_host(save, "--plan", "alarm,ok", "--family", "router_entropy",
+                                              "--load", str(save)), "--first-warning", "0"])
+    assert out.returncode == 0, out.output
+    relaunch = records(save)[0]
+    assert relaunch["checkpoint"]["name"] == "start" and "--load dropped" in relaunch["notes"][-1]
+    assert "--load" not in _launches(save)[1]
+
+
+def test_load_is_save_and_the_first_launch_resumed_a_save(tmp_path: Path):
+    """The same with a checkpoint in X before the first launch: the start is that checkpoint, chosen
+    by the selection flag (the tracker now names a later save); without one the supervisor stops."""
+    save = tmp_path / "ck"
+    _megatron_save(save, 3)
+    host = [*_host(save, "--plan", "alarm,ok", "--family", "router_entropy", "--load", str(save)),
+            "--first-warning", "4"]
+    out = supervise([], host)
+    assert out.returncode == 0, out.output
+    relaunch = records(save)[0]
+    assert relaunch["checkpoint"]["name"] == "iter_0000003", relaunch  # a listed save at or before 4
+    assert _launches(save)[1][-2:] == ["--ckpt-step", "3"]
+    save = tmp_path / "no_flag"
+    _megatron_save(save, 3)
+    out = supervise(["--select-flag="], [*_host(save, "--plan", "alarm,ok", "--family", "router_entropy",
+                                              "--load", str(save)), "--first-warning", "4"])
+    assert out.returncode != 0 and "never rewrites the tracker" in records(save)[-1]["reason"], out.output
