@@ -53,7 +53,7 @@ class Alert:
         if self.baseline is not None:
             detail += f", baseline {self.baseline:.6g}"
         elif self.threshold is not None:
-            detail += ", no baseline yet (detector warm-up)"
+            detail += ", no baseline yet (the detector is learning it: warm-up, or again after an alarm)"
         if self.threshold is not None:
             detail += f", threshold {self.threshold:.6g}"
         head = f"[mechmon] ALARM at iteration {self.iteration}: {self.family} {where} ({self.stream})"
