@@ -21,7 +21,8 @@ pytest.importorskip("megatron.core")
 
 from mechmon_megatron.adapters import megatron_lm as mlm  # noqa: E402
 from mechmon_megatron.adapters.megatron_core import force_param_sync  # noqa: E402
-from mechmon_megatron.cli.args import add_mechmon_args  # noqa: E402
+from mechmon_megatron.adapters.megatron_lm.hooks import rollback_reach_line  # noqa: E402
+from mechmon_megatron.cli.args import add_mechmon_args, config_from_args  # noqa: E402
 from mechmon_megatron.session.alert import ALERT_FILENAME  # noqa: E402
 
 SEQ, VOCAB = 16, 64
@@ -135,6 +136,21 @@ def test_hooks_write_megatron_scalars_and_abort_through_exit_interval(model_para
     assert alert_path == os.path.join(state_dir, ALERT_FILENAME)
     alert = json.load(open(alert_path))
     assert alert["iteration"] == 6 and alert["family"] == "drill" and alert["exit_code"] == 42
+
+
+def test_start_up_says_when_a_rollback_cannot_reach_the_change_point(tmp_path):
+    abort = ("--mechmon", "--mechmon-interval", "20", "--mechmon-action", "checkpoint-and-abort")
+    args = megatron_args(tmp_path, *abort)
+    args.save_interval = None
+    line = rollback_reach_line(args, config_from_args(args))
+    assert "without --save-interval" in line and "up to 640 steps" in line  # 28 checks x 20 + (100 - 20)
+    args.save = None
+    assert "without --save:" in rollback_reach_line(args, config_from_args(args))
+    args.save, args.save_interval = str(tmp_path), 100
+    assert rollback_reach_line(args, config_from_args(args)) is None
+    warn = megatron_args(tmp_path, "--mechmon")
+    warn.save_interval = None
+    assert rollback_reach_line(warn, config_from_args(warn)) is None  # no abort: nothing to roll back
 
 
 def test_resume_restores_detectors_from_load(model_parallel, tmp_path):

@@ -41,6 +41,7 @@ from mechmon_megatron.adapters.megatron_core import (
 )
 from mechmon_megatron.cli.args import config_from_args
 from mechmon_megatron.session.collective_guard import CollectiveFailure, CollectivesOff, guard
+from mechmon_megatron.session.rollback_reach import change_point_lag
 from mechmon_megatron.session.config import MechmonConfig
 from mechmon_megatron.session.session import MonitoringSession
 from mechmon_megatron.session.state_format import STATE_KEY, legacy_notice, state_of
@@ -78,6 +79,25 @@ def checkpoint_iter_dir(save_dir: str, iteration: int, release: bool = False, ch
         except TypeError:  # a release without return_base_dir
             pass
     return os.path.join(save_dir, "release" if release else f"iter_{iteration:07d}")
+
+
+def rollback_reach_line(args: Any, config: MechmonConfig) -> Optional[str]:
+    """The start-up line when an abort could not be rolled back to before its change point
+    (``session.rollback_reach``): no ``--save``, or no ``--save-interval`` (then the abort's own save
+    is the only checkpoint). Megatron-LM deletes no persistent checkpoint, so a save interval
+    always reaches back; None when nothing is wrong or the action is not checkpoint-and-abort."""
+    if config.action != "checkpoint-and-abort":
+        return None
+    lag = change_point_lag(config.interval, config.delta)
+    if not getattr(args, "save", None):
+        return ("[mechmon] --mechmon-action checkpoint-and-abort without --save: an alarm stops the job with no "
+                "checkpoint to roll back to; set --save and --save-interval")
+    if not getattr(args, "save_interval", None):
+        return (f"[mechmon] --mechmon-action checkpoint-and-abort without --save-interval: the abort's checkpoint "
+                f"will be the only one, saved after the detector's change point (up to {lag} steps before the "
+                f"alarm at --mechmon-interval {config.interval} --mechmon-delta {config.delta}, measured); set "
+                "--save-interval so that a rollback (mechmon-supervise) can start before it")
+    return None
 
 
 def _rank() -> int:
@@ -180,6 +200,9 @@ class MegatronLMHooks:
             session = build_mcore_session(self.config, list(model_chunks), writer_rank=-1, optimizer=self.optimizer,
                                           reads=self.reads, **common)
         self.session = session
+        line = rollback_reach_line(args, self.config)
+        if line and _rank() == 0:
+            logger.warning(line)
         self._restore(args, start_iteration)
         session.on_train_start(start_iteration)
         return session
