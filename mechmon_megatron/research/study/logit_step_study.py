@@ -31,6 +31,7 @@ from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE, NullTai
 from mechmon_megatron.detect.pooled_cusum import FamilyThresholds, Thresholds, default_sequential_config
 from mechmon_megatron.research.study.campaign_data import CampaignRecord
 from mechmon_megatron.research.study.design_study import earliest_alarm, logit_config, logit_replay
+from mechmon_megatron.research.study.peak_tail import fit_peak_tail, peak_tail_check
 from mechmon_megatron.research.study.detector_report import CALIBRATION_RUNS, DELTA, INTERVAL, events, lead_share
 from mechmon_megatron.research.study.pooled_replay import (
     CORE_FAMILIES,
@@ -202,10 +203,12 @@ def run_logit_step_study(records: Mapping[str, CampaignRecord], rule_threshold: 
         "design_name": design, "logit_tail_runs": list(tail_records),
         "logit_tail_max_cusum": {r: max(v) for r, v in tail_cusums.items()},
     }
+    peak_thr = None
     if logit_tail_records is not None and len(tail_records) > 2:
         checks = leave_one_out(tail_cusums, list(tail_records), p_step)
         out["leave_one_out"] = [asdict(c) for c in checks]
         out["leave_one_out_rejects_tail"] = loo_rejects(checks)
+        out["peak_tail"], peak_thr = _peak_tail_section(tail_cusums, records, tail_records, p_step)
     for run_id, record in sorted(records.items()):
         onset = record.run.fault_onset or 0
         checks = only_families(record.data.checks, CORE_FAMILIES)
@@ -224,6 +227,8 @@ def run_logit_step_study(records: Mapping[str, CampaignRecord], rule_threshold: 
                              "alarms": len(replay.alarms), "by_family": dict(replay.first_alarm)}
         logit_first, logit_alarms, _ = replay_logit(logit_series(record), logit_thr, onset)
         entry["logit"] = {"first_alarm": logit_first, "alarms": len(logit_alarms)}
+        if peak_thr is not None and not record.healthy:
+            entry["logit_peak_lightest"] = replay_logit(logit_series(record), peak_thr, onset)[0]
         both = entry["long+logit"]
         if logit_first is not None and (both["first_alarm"] is None or logit_first < both["first_alarm"]):
             both["first_alarm"], both["first_family"] = logit_first, LOGIT
@@ -240,6 +245,26 @@ def run_logit_step_study(records: Mapping[str, CampaignRecord], rule_threshold: 
     return out
 
 
+def _peak_tail_section(tail_cusums: Mapping[str, Sequence[float]], records: Mapping[str, CampaignRecord],
+                       tail_records: Mapping[str, CampaignRecord],
+                       p_step: float) -> tuple[dict[str, Any], FamilyThresholds]:
+    """The round-7 addendum (``peak_tail``): the GPD tail of the per-step CUSUM's cluster peaks on
+    the tail runs, its leave-one-out check, the out-of-sample check of every other healthy run of
+    ``records`` (the held-out seeds 10-12 once they exist), and the thresholds of the lightest
+    plausible tail (the most sensitive level any tail that fits could justify)."""
+    names = list(tail_records)
+    tail = fit_peak_tail(tail_cusums, names)
+    others = {r: rec for r, rec in sorted(records.items()) if rec.healthy and r not in tail_records}
+    cusums = {**tail_cusums, **healthy_logit_cusums(others)}
+    lightest = tail.lightest()
+    warning = lightest.level(min(0.5, 1000 * p_step))
+    t = Thresholds(warning=warning, alarm=max(lightest.level(p_step), warning))
+    section = {"fit": asdict(tail), "alarm_level": tail.level(p_step), "alarm_level_lightest": t.alarm,
+               "leave_one_out": [asdict(c) for c in peak_tail_check(cusums, names, names, p_step)],
+               "out_of_sample": [asdict(c) for c in peak_tail_check(cusums, names, list(others), p_step)]}
+    return section, FamilyThresholds(t, t)
+
+
 def _no_later(first: Optional[int], rule: Optional[int]) -> bool:
     return first is not None and (rule is None or first <= rule)
 
@@ -252,6 +277,32 @@ def group_of(run_id: str) -> str:
     if seed <= 3:
         return "choice"
     return "held-out 4-6" if seed <= 6 else "held-out 7-9" if seed <= 9 else "held-out 10-12"
+
+
+def _peak_tail_markdown(results: Mapping[str, Any]) -> list[str]:
+    pt = results["peak_tail"]
+    fit = pt["fit"]
+    lines = [f"Peak tail (GPD of cluster peaks above {fit['u']:g}; {fit['peaks_above']} peaks in {fit['steps']} "
+             f"steps): xi {fit['xi']:.2f} (95 % lower end {fit['xi_low']:.2f}), sigma {fit['sigma']:.2f}; alarm "
+             f"level {pt['alarm_level']:.0f} (lightest plausible tail: {pt['alarm_level_lightest']:.0f}).", "",
+             "| held out | how | steps | largest CUSUM | alarm level of the fit (lightest) | p(max) | xi |",
+             "|---|---|---|---|---|---|---|"]
+    for how, rows in (("leave one out", pt["leave_one_out"]), ("not in the fit", pt["out_of_sample"])):
+        for c in rows:
+            lines.append(f"| {c['held_out']} | {how} | {c['steps']} | {c['max_cusum']:.2f} | {c['alarm_level']:.0f} "
+                         f"({c['alarm_level_lightest']:.0f}) | {c['p_max']:.2g} | {c['xi']:.2f} |")
+    counts: dict[str, list[int]] = {}
+    for run_id, e in results["runs"].items():
+        if e["healthy"] or e.get("scenario") != "fa" or "logit_peak_lightest" not in e:
+            continue
+        c = counts.setdefault(group_of(run_id), [0, 0, 0])
+        c[0] += 1
+        c[1] += e["logit_peak_lightest"] is not None
+        c[2] += _no_later(e["logit_peak_lightest"], e["max_logit_rule"])
+    lines += ["", "The logit test at the lightest plausible peak tail's level (FA runs; fired / no later than the "
+              "max-logit rule): " + "; ".join(f"{g}: {c[1]} / {c[2]} of {c[0]}" for g, c in sorted(counts.items())),
+              ""]
+    return lines
 
 
 def markdown(results: Mapping[str, Any]) -> str:
@@ -282,6 +333,8 @@ def markdown(results: Mapping[str, Any]) -> str:
         k = len(results["leave_one_out"])
         lines += ["", f"Tail model {'REJECTED' if results['leave_one_out_rejects_tail'] else 'not rejected'} "
                   f"(rule: some p(max) < {LOO_SIGNIFICANCE} / {k}).", ""]
+    if "peak_tail" in results:
+        lines += _peak_tail_markdown(results)
     lines += ["| run | group | div. | long (today) | " + name + " | Δ2 / dW (" + name + ") | logit test | "
               "max-logit rule | long <= rule | " + name + " <= rule | lead Δ2/dW | lead first | lead rule |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
