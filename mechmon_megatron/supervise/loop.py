@@ -11,7 +11,12 @@ from typing import Optional
 
 from mechmon_megatron.supervise.alerts import AlertError, AlertInfo, alert_files, new_alert_path, read_alert
 from mechmon_megatron.supervise.checkpoints import (
-    Checkpoint, Selection, latest_checkpoint, list_checkpoints, select_rollback)
+    Checkpoint,
+    Selection,
+    latest_checkpoint,
+    list_checkpoints,
+    select_rollback,
+)
 from mechmon_megatron.supervise.command import LaunchCommand, flag_values, remove_flag, set_flag
 from mechmon_megatron.supervise.host import HostFlags
 from mechmon_megatron.supervise.notify import Notifier
@@ -124,7 +129,7 @@ class Supervisor:
         for flag in ("--load", *([select_flag] if select_flag else [])):
             original = flag_values(initial, flag)
             args = remove_flag(args, flag) if original is None else set_flag(args, flag, original)
-        same_folder = bool(load) and os.path.realpath(load[0]) == os.path.realpath(self.config.save)
+        same_folder = bool(load) and os.path.realpath((load or [''])[0]) == os.path.realpath(self.config.save)
         if not same_folder or chosen:
             return args, ""
         # --load is the --save folder: its latest checkpoint is now a later save, not the start.
@@ -267,6 +272,7 @@ class Supervisor:
                     f"remedy {index + 1}/{len(remedies)} of {list_name}"),
             checkpoint=where,
             after_change_point=selection.after_change_point, why=selection.why, remedy=chosen.remedy.name,
-            flags_removed=removed, flags_added=added, notes=[*passed, *applied.notes, *([start_note] if start_note else [])],
+            flags_removed=removed, flags_added=added,
+            notes=[*passed, *applied.notes, *([start_note] if start_note else [])],
             command=list(self.command.argv)))
         return None

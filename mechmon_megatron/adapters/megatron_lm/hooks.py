@@ -41,8 +41,8 @@ from mechmon_megatron.adapters.megatron_core import (
 )
 from mechmon_megatron.cli.args import config_from_args
 from mechmon_megatron.session.collective_guard import CollectiveFailure, CollectivesOff, guard
-from mechmon_megatron.session.rollback_reach import change_point_lag
 from mechmon_megatron.session.config import MechmonConfig
+from mechmon_megatron.session.rollback_reach import change_point_lag
 from mechmon_megatron.session.session import MonitoringSession
 from mechmon_megatron.session.state_format import STATE_KEY, legacy_notice, state_of
 from mechmon_megatron.session.writers import WandbScalarWriter

@@ -31,8 +31,8 @@ from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE, NullTai
 from mechmon_megatron.detect.pooled_cusum import FamilyThresholds, Thresholds, default_sequential_config
 from mechmon_megatron.research.study.campaign_data import CampaignRecord
 from mechmon_megatron.research.study.design_study import earliest_alarm, logit_config, logit_replay
-from mechmon_megatron.research.study.peak_tail import fit_peak_tail, peak_tail_check
 from mechmon_megatron.research.study.detector_report import CALIBRATION_RUNS, DELTA, INTERVAL, events, lead_share
+from mechmon_megatron.research.study.peak_tail import fit_peak_tail, peak_tail_check
 from mechmon_megatron.research.study.pooled_replay import (
     CORE_FAMILIES,
     fit_tail_table,

@@ -146,7 +146,7 @@ class PeakTail:
         """Probability per step that a cluster peak exceeds ``h`` (h >= u)."""
         return self.rate * gpd_survival(h - self.u, self.xi, self.sigma)
 
-    def lightest(self) -> "PeakTail":
+    def lightest(self) -> PeakTail:
         """The same clusters with the lightest plausible tail (``xi_low``, ``sigma_low``)."""
         return PeakTail(u=self.u, rate=self.rate, xi=self.xi_low, sigma=self.sigma_low, peaks_above=self.peaks_above,
                         steps=self.steps, xi_low=self.xi_low, sigma_low=self.sigma_low)
@@ -206,7 +206,8 @@ def peak_tail_check(cusums: Mapping[str, Sequence[float]], fitted_on: Sequence[s
         tail = fit_peak_tail(cusums, [r for r in fitted_on if r != held])
         values = [float(v) for v in cusums[held] if math.isfinite(v)]
         top = max(values)
+        p_max = tail.p_max(top, len(values)) if top > tail.u else 1.0
         out.append(PeakCheck(held_out=held, max_cusum=top, steps=len(values), alarm_level=tail.level(p_step),
-                             alarm_level_lightest=tail.lightest().level(p_step), p_max=tail.p_max(top, len(values)) if top > tail.u else 1.0, xi=tail.xi,
+                             alarm_level_lightest=tail.lightest().level(p_step), p_max=p_max, xi=tail.xi,
                              sigma=tail.sigma))
     return out
