@@ -82,3 +82,18 @@ def reach_notice(save_interval: Optional[int], keep_last: Optional[int], keep_fl
             f"change point lies up to {r.lag} steps before its alarm at --mechmon-interval {interval} "
             f"--mechmon-delta {delta} (measured, docs/RECOVERY.md): keep at least {r.keep_needed} checkpoints"
             + (f", or save every {math.ceil(r.lag / (keep_last - 2))} steps or more" if keep_last > 2 else ""))
+
+
+def missing_saves_notice(save: Optional[str], save_interval: Optional[int], interval: int,
+                         delta: int) -> Optional[str]:
+    """One line when a checkpoint-and-abort job keeps no checkpoint a rollback could use: no
+    ``--save`` at all, or no ``--save-interval`` (the abort's own save, after the change point, is
+    then the only one); None when both are set. Used by the supervisor and the Megatron-LM adapter."""
+    if not save:
+        return ("checkpoint-and-abort without --save: an alarm stops the job with no checkpoint to roll back to; "
+                "set --save and --save-interval")
+    if not save_interval or save_interval < 1:
+        return (f"no --save-interval: the abort's checkpoint will be the only one, saved after the detector's change "
+                f"point (up to {change_point_lag(interval, delta)} steps before the alarm at --mechmon-interval "
+                f"{interval} --mechmon-delta {delta}, measured); set --save-interval so that a save lands before it")
+    return None

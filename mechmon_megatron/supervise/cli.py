@@ -13,7 +13,13 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from mechmon_megatron.session.rollback_reach import DEFAULT_DELTA, DEFAULT_INTERVAL, RETENTION_FLAGS, reach_notice
+from mechmon_megatron.session.rollback_reach import (
+    DEFAULT_DELTA,
+    DEFAULT_INTERVAL,
+    RETENTION_FLAGS,
+    missing_saves_notice,
+    reach_notice,
+)
 from mechmon_megatron.session.webhook import check_webhook_url
 from mechmon_megatron.supervise.command import CommandError, LaunchCommand, flag_values, parse_command
 from mechmon_megatron.supervise.host import HostError, HostFlags, read_host_flags
@@ -78,15 +84,15 @@ def reachability_notices(host_args: Sequence[str]) -> list[str]:
     if flag_values(host_args, "--mechmon") is None or action != ["checkpoint-and-abort"]:
         notices.append("the command does not set --mechmon --mechmon-action checkpoint-and-abort: an alarm will not "
                        "stop it, so there is nothing to recover (the supervisor only passes its exit through)")
-    interval = flag_values(host_args, "--save-interval") or []
-    if not interval or interval[0] in ("0", "None"):
-        notices.append("the command has no --save-interval: the abort's checkpoint will be the only one, which is "
-                       "after the change point; set --save-interval so that a save lands before the detector's "
-                       "change point (at most --save-interval steps before it)")
-    else:
-        line = _retention_notice(host_args, int(interval[0]))
-        if line:
-            notices.append(line)
+    save_interval = _int_flag(host_args, "--save-interval", 0)  # absent, 0 or "None": no scheduled saves
+    save = flag_values(host_args, "--save") or []
+    line = missing_saves_notice(save[0] if save else None, save_interval,
+                                max(1, _int_flag(host_args, "--mechmon-interval", DEFAULT_INTERVAL)),
+                                max(1, _int_flag(host_args, "--mechmon-delta", DEFAULT_DELTA)))
+    if line is None:
+        line = _retention_notice(host_args, save_interval)
+    if line:
+        notices.append(f"the command: {line}")
     return notices
 
 

@@ -143,7 +143,7 @@ def test_start_up_says_when_a_rollback_cannot_reach_the_change_point(tmp_path):
     args = megatron_args(tmp_path, *abort)
     args.save_interval = None
     line = rollback_reach_line(args, config_from_args(args))
-    assert "without --save-interval" in line and "up to 640 steps" in line  # 28 checks x 20 + (100 - 20)
+    assert "no --save-interval" in line and "up to 640 steps" in line  # 28 checks x 20 + (100 - 20)
     args.save = None
     assert "without --save:" in rollback_reach_line(args, config_from_args(args))
     args.save, args.save_interval = str(tmp_path), 100

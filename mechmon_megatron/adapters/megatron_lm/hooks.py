@@ -42,7 +42,7 @@ from mechmon_megatron.adapters.megatron_core import (
 from mechmon_megatron.cli.args import config_from_args
 from mechmon_megatron.session.collective_guard import CollectiveFailure, CollectivesOff, guard
 from mechmon_megatron.session.config import MechmonConfig
-from mechmon_megatron.session.rollback_reach import change_point_lag
+from mechmon_megatron.session.rollback_reach import missing_saves_notice
 from mechmon_megatron.session.session import MonitoringSession
 from mechmon_megatron.session.state_format import STATE_KEY, legacy_notice, state_of
 from mechmon_megatron.session.writers import WandbScalarWriter
@@ -83,21 +83,13 @@ def checkpoint_iter_dir(save_dir: str, iteration: int, release: bool = False, ch
 
 def rollback_reach_line(args: Any, config: MechmonConfig) -> Optional[str]:
     """The start-up line when an abort could not be rolled back to before its change point
-    (``session.rollback_reach``): no ``--save``, or no ``--save-interval`` (then the abort's own save
-    is the only checkpoint). Megatron-LM deletes no persistent checkpoint, so a save interval
-    always reaches back; None when nothing is wrong or the action is not checkpoint-and-abort."""
+    (``session.rollback_reach.missing_saves_notice``); None when the saves can reach back (Megatron-LM
+    deletes no persistent checkpoint) or the action is not checkpoint-and-abort."""
     if config.action != "checkpoint-and-abort":
         return None
-    lag = change_point_lag(config.interval, config.delta)
-    if not getattr(args, "save", None):
-        return ("[mechmon] --mechmon-action checkpoint-and-abort without --save: an alarm stops the job with no "
-                "checkpoint to roll back to; set --save and --save-interval")
-    if not getattr(args, "save_interval", None):
-        return (f"[mechmon] --mechmon-action checkpoint-and-abort without --save-interval: the abort's checkpoint "
-                f"will be the only one, saved after the detector's change point (up to {lag} steps before the "
-                f"alarm at --mechmon-interval {config.interval} --mechmon-delta {config.delta}, measured); set "
-                "--save-interval so that a rollback (mechmon-supervise) can start before it")
-    return None
+    line = missing_saves_notice(getattr(args, "save", None), getattr(args, "save_interval", None),
+                                config.interval, config.delta)
+    return f"[mechmon] --mechmon-action {line}" if line else None
 
 
 def _rank() -> int:
