@@ -1,0 +1,101 @@
+"""Replay the shipped detector (``detect/null_tails.json`` at a rate R) on recorded healthy runs:
+its alarms, and how close each family's CUSUMs came to their levels.
+
+The detector studies refit their own tails on each campaign's calibration runs; this replay keeps
+the tails the package ships, so its answer is what a user with the default settings would have
+seen. Records from any campaign work (``campaign_records.load_records``); streams of families the
+shipped table does not cover (``attn_delta2_short``) are dropped first. The margins are the
+largest layer-level and family-level CUSUM of each family over the run against its warning and
+alarm levels: a run whose CUSUM stays under the warning never freezes a baseline, so a small
+margin there is a near miss (docs/RESULTS.md, "Healthy runs").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE, TailTable, load_tail_table
+from mechmon_megatron.detect.pooled_cusum import default_sequential_config
+from mechmon_megatron.research.study.campaign_data import CampaignRecord
+from mechmon_megatron.research.study.pooled_replay import CORE_FAMILIES, replay_pooled, subsample, thresholds_at_rate
+from mechmon_megatron.research.study.short_window_study import only_families
+
+RECORDED_INTERVAL = 20
+"""Steps between the recorded checks of the detector and short-window studies."""
+RECORDED_DELTA = 100
+"""Window (steps) of those records; interval 100 replays every fifth check (non-overlapping)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FamilyMargin:
+    """Largest CUSUM of one family's tests over a run, against the levels (CUSUM units)."""
+
+    level: str
+    """``layer`` (the largest over its layers) or ``family`` (the pooled test)."""
+    largest: float
+    layer: Optional[int]
+    """The layer that reached ``largest`` (layer level only)."""
+    step: int
+    warning: float
+    alarm: float
+
+
+@dataclass
+class ShippedReplay:
+    """One healthy run under the shipped detector at one schedule."""
+
+    run_id: str
+    interval: int
+    steps: int
+    alarms: list[dict[str, Any]] = field(default_factory=list)
+    """Each: step, family, level, layers, statistic, threshold, change_step."""
+    margins: dict[str, list[FamilyMargin]] = field(default_factory=dict)
+
+
+def replay_shipped(record: CampaignRecord, interval: int = RECORDED_INTERVAL,
+                   rate: float = DEFAULT_FALSE_ALARM_RATE, table: Optional[TailTable] = None) -> ShippedReplay:
+    """The shipped detector on ``record`` at ``interval`` (a multiple of :data:`RECORDED_INTERVAL`;
+    overlap ``ceil(RECORDED_DELTA / interval)``); ``table`` defaults to the shipped tails."""
+    if interval % RECORDED_INTERVAL:
+        raise ValueError(f"interval must be a multiple of {RECORDED_INTERVAL}, got {interval}")
+    every = interval // RECORDED_INTERVAL
+    overlap = max(1, -(-RECORDED_DELTA // interval))
+    checks = subsample(only_families(record.data.checks, CORE_FAMILIES), RECORDED_INTERVAL, every)
+    thresholds, _ = thresholds_at_rate(checks, interval, overlap, rate, table or load_tail_table())
+    replay = replay_pooled(checks, thresholds, default_sequential_config(interval))
+    out = ShippedReplay(run_id=record.run.run_id, interval=interval,
+                        steps=record.data.steps[-1] if record.data.steps else 0)
+    out.alarms = [{"step": a.step, "family": a.family, "level": a.level, "layers": list(a.layers),
+                   "statistic": a.statistic, "threshold": a.threshold, "change_step": a.change_step}
+                  for a in replay.alarms]
+    for family, levels in thresholds.items():
+        for level in ("layer", "family"):
+            keys = [k for k in replay.statistics if k.split("/", 1)[0] == family
+                    and (("/layer_" in k) == (level == "layer"))]
+            if not keys:
+                continue
+            best = max(((v, s, k) for k in keys for s, v in replay.statistics[k]), key=lambda t: t[0])
+            layer = int(best[2].rsplit("_", 1)[1]) if level == "layer" else None
+            t = getattr(levels, level)
+            out.margins.setdefault(family, []).append(
+                FamilyMargin(level=level, largest=best[0], layer=layer, step=best[1], warning=t.warning,
+                             alarm=t.alarm))
+    return out
+
+
+def markdown(replays: Sequence[ShippedReplay]) -> str:
+    """One row per run and schedule: alarms, and the family whose layer CUSUM came closest to its
+    warning level (largest / warning / alarm)."""
+    lines = ["| run | interval | alarms | closest layer CUSUM to its warning (largest / warning / alarm) |",
+             "|---|---|---|---|"]
+    for r in replays:
+        alarms = "; ".join(f"{a['family']} {a['level']} {a['layers']} at {a['step']} ({a['statistic']:.2f} > "
+                           f"{a['threshold']:.2f})" for a in r.alarms) or "0"
+        layer_margins = [m for ms in r.margins.values() for m in ms if m.level == "layer"]
+        family = {id(m): f for f, ms in r.margins.items() for m in ms}
+        m = max(layer_margins, key=lambda m: m.largest / m.warning)
+        lines.append(f"| {r.run_id} | {r.interval} | {alarms} | {family[id(m)]} layer {m.layer} at {m.step}: "
+                     f"{m.largest:.1f} / {m.warning:.1f} / {m.alarm:.1f} |")
+    return "\n".join(lines)

@@ -1,0 +1,63 @@
+"""The shipped detector on the held-out healthy runs of round 7 (docs/RESULTS.md, "Healthy runs"):
+pure replays of the committed records, no training."""
+
+import os
+
+import pytest
+
+from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE, thresholds_for_job
+from mechmon_megatron.detect.pooled_cusum import default_sequential_config
+from mechmon_megatron.research.study.campaign_records import load_records
+from mechmon_megatron.research.study.pooled_replay import CORE_FAMILIES, fit_tail_table, proxy_shape, replay_pooled
+from mechmon_megatron.research.study.shipped_replay import markdown, replay_shipped
+from mechmon_megatron.research.study.short_window_study import CALIBRATION_RUNS, only_families
+
+RECORDS = os.path.join(os.path.dirname(__file__), "..", "..", "..", "docs", "data", "short_window_study")
+HELD_OUT = ("healthy-cosine-seed10", "healthy-cosine-seed11", "healthy-cosine-seed12")
+
+pytestmark = pytest.mark.skipif(not os.path.isdir(RECORDS), reason="docs/data/short_window_study not present")
+
+
+@pytest.fixture(scope="module")
+def records():
+    return load_records(RECORDS)
+
+
+@pytest.mark.parametrize("interval", [20, 100])
+def test_the_shipped_detector_is_quiet_on_the_round7_healthy_runs(records, interval):
+    for run_id in HELD_OUT:
+        replay = replay_shipped(records[run_id], interval)
+        assert replay.steps == 10_000
+        assert not replay.alarms, (run_id, interval, replay.alarms[:2])
+        for margins in replay.margins.values():
+            assert all(m.largest <= m.alarm for m in margins)
+
+
+def test_seed11_is_a_near_miss_that_a_refit_on_other_realisations_turns_into_an_alarm(records):
+    shipped = replay_shipped(records["healthy-cosine-seed11"], 20)
+    layer = next(m for m in shipped.margins["router_entropy"] if m.level == "layer")
+    assert layer.layer == 4 and layer.warning - 1.0 < layer.largest < layer.warning  # under it by < 1 unit
+    # The round-7 design `long`: the same families, tails fitted on this campaign's own seed 1-2 runs.
+    series = [only_families(records[r].data.checks, CORE_FAMILIES) for r in CALIBRATION_RUNS]
+    table, _ = fit_tail_table({5: (20, series)})
+    thresholds, _ = thresholds_for_job(proxy_shape(series[0], 20, 5), DEFAULT_FALSE_ALARM_RATE, table)
+    assert thresholds["router_entropy"].layer.warning < layer.largest
+    checks = only_families(records["healthy-cosine-seed11"].data.checks, CORE_FAMILIES)
+    alarms = replay_pooled(checks, thresholds, default_sequential_config(20)).alarms
+    assert [(a.step, a.family, a.level, a.layers) for a in alarms] == [(680, "router_entropy", "layer", (4,))]
+
+
+def test_markdown_names_each_alarm_and_the_bad_interval_is_refused(records):
+    rows = markdown([replay_shipped(records["healthy-cosine-seed11"], 20)]).splitlines()
+    assert len(rows) == 3 and "| healthy-cosine-seed11 | 20 | 0 | router_entropy layer 4 at 600:" in rows[2]
+    with pytest.raises(ValueError, match="multiple of 20"):
+        replay_shipped(records["healthy-cosine-seed11"], 30)
+
+
+def test_the_shipped_detector_names_attention_first_on_the_round7_fa_runs(records):
+    fa = [r for r in records.values() if r.run.scenario == "fa" and r.run.seed in (10, 11, 12)]
+    assert len(fa) == 12
+    for record in fa:
+        alarms = replay_shipped(record, 20).alarms
+        assert alarms and alarms[0]["step"] > record.run.fault_onset, record.run.run_id
+        assert alarms[0]["family"] in ("attn_delta2", "attn_dw"), (record.run.run_id, alarms[0])
