@@ -56,6 +56,8 @@ SAVE_INTERVAL = 100
 STEPS_AFTER_ONSET = 1000
 """An FA cell trains to ``onset + STEPS_AFTER_ONSET`` (at least the preset's 1,500 steps)."""
 RECORD_VERSION = 1
+CURVE_STEPS = 20
+"""Loss curves in the records (for the plot): the mean loss of each 20-step block."""
 
 
 @dataclass(frozen=True)
@@ -187,6 +189,34 @@ def _smoothed(kept: dict[int, dict], last_step: int) -> Optional[float]:
     return statistics.fmean(values)
 
 
+def loss_curve(rows: dict[int, dict], block: int = CURVE_STEPS) -> list[list[Optional[float]]]:
+    """``[[step, mean loss], ...]``: one point per ``block``-step block that ``rows`` (iteration ->
+    metrics row) reaches, at the block's last step (a multiple of ``block``); the mean of its finite
+    losses to 5 decimals, or None when it has none (a diverged stretch: the plot leaves a gap)."""
+    blocks: dict[int, list[float]] = {}
+    for i, row in rows.items():
+        loss = row.get("lm_loss")
+        end = -(-i // block) * block
+        blocks.setdefault(end, [])
+        if loss is not None and math.isfinite(float(loss)):
+            blocks[end].append(float(loss))
+    return [[end, round(statistics.fmean(v), 5) if v else None] for end, v in sorted(blocks.items())]
+
+
+def _discarded_curves(state: LaunchState) -> list[list[list[Optional[float]]]]:
+    """The loss curve of each stretch that a later launch threw away (after its start step)."""
+    from mechmon_megatron.research.recovery_study.launch import read_rows
+
+    out = []
+    for k, launch in enumerate(state.launches[:-1]):
+        nxt = state.launches[k + 1].start_iteration
+        rows = {int(r["iteration"]): r for r in read_rows(launch.metrics_path(state.directory))}
+        lost = {i: r for i, r in sorted(rows.items()) if i > nxt}
+        if lost:
+            out.append(loss_curve(lost))
+    return out
+
+
 def _alarms(text: str) -> list[str]:
     return [line.strip() for line in text.splitlines() if "[mechmon] ALARM at iteration" in line]
 
@@ -266,6 +296,7 @@ def summarize_operator(out: str, cell: Cell, operator: str, clean_loss: Optional
         "divergence_step": divergence, "alarms": _alarms(text)[:6],
         "log_mode_alarm_steps": _log_mode_alarms(directory) if operator == "none" else [],
         "launch_notes": [launch.note for launch in state.launches if launch.note],
+        "loss_curve": loss_curve(kept), "discarded_loss_curves": _discarded_curves(state),
     }
     if operator == "practice":
         body["spikes"] = state.extra.get("practice", {}).get("rollbacks", [])
@@ -316,6 +347,7 @@ def summarize(out: str, cell: Cell) -> dict[str, Any]:
         "onset": cell.onset if cell.scenario == "fa" else 1, "fork": cell.fork, "train_iters": cell.train_iters,
         "smoothing_steps": SMOOTH_STEPS, "clean_loss_smoothed": clean_loss, "environment": environment(),
         "clean_wall_s": round(sum(launch.wall_s for launch in clean.launches), 1),
+        "clean_loss_curve": loss_curve({i: r for i, r in clean_kept.items() if i > cell.fork - SAVE_INTERVAL}),
         "operators": {op: summarize_operator(out, cell, op, clean_loss) for op in OPERATORS},
     }
 

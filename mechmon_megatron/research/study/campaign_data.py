@@ -74,7 +74,13 @@ def scalars_path(path: str) -> str:
 
 
 def load_checks(path: str) -> list[tuple[int, dict[str, float]]]:
-    """The recorded checks of one run, sorted by step; FileNotFoundError / ValueError name the path."""
+    """The recorded checks of one run (a run directory, its ``mechmon_scalars.jsonl``, or a record
+    exported by ``tools/detector_study.py export``, ``*.json.gz``), sorted by step;
+    FileNotFoundError / ValueError name the path."""
+    if path.endswith(".json.gz") and os.path.isfile(path):
+        from mechmon_megatron.research.study.campaign_records import load_record  # it imports this module
+
+        return load_record(path).data.checks
     rows = read_jsonl(scalars_path(path))
     if not rows:
         raise ValueError(f"{path}: no checks recorded")

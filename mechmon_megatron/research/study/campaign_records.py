@@ -71,23 +71,28 @@ def export_records(campaign_dir: str, dest: str, runs: Optional[list[CampaignRun
     return paths
 
 
+def load_record(path: str) -> CampaignRecord:
+    """One exported run (``<run_id>.json.gz``); ValueError names a file of another version."""
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        body = json.load(f)
+    if body.get("version") != RECORD_VERSION:
+        raise ValueError(f"{os.path.basename(path)}: record version {body.get('version')!r}, expected {RECORD_VERSION}")
+    run_fields = {k: tuple(v) if isinstance(v, list) else v for k, v in body["run"].items()}
+    run = CampaignRun(**run_fields)
+    m = body["metrics"]
+    metrics = [
+        {"iteration": it, "lm_loss": lo, "grad_norm": gn, "max_attn_logit": ml}
+        for it, lo, gn, ml in zip(m["iteration"], m["lm_loss"], m["grad_norm"], m["max_attn_logit"])
+    ]
+    data = RunData.from_rows(metrics, body["checks"])
+    return CampaignRecord(run=run, data=data, status=body["status"])
+
+
 def load_records(dest: str) -> dict[str, CampaignRecord]:
     """The exported runs, by run id (ValueError names a file of another version)."""
     out = {}
     for name in sorted(os.listdir(dest)):
-        if not name.endswith(".json.gz"):
-            continue
-        with gzip.open(os.path.join(dest, name), "rt", encoding="utf-8") as f:
-            body = json.load(f)
-        if body.get("version") != RECORD_VERSION:
-            raise ValueError(f"{name}: record version {body.get('version')!r}, expected {RECORD_VERSION}")
-        run_fields = {k: tuple(v) if isinstance(v, list) else v for k, v in body["run"].items()}
-        run = CampaignRun(**run_fields)
-        m = body["metrics"]
-        metrics = [
-            {"iteration": it, "lm_loss": lo, "grad_norm": gn, "max_attn_logit": ml}
-            for it, lo, gn, ml in zip(m["iteration"], m["lm_loss"], m["grad_norm"], m["max_attn_logit"])
-        ]
-        data = RunData.from_rows(metrics, body["checks"])
-        out[run.run_id] = CampaignRecord(run=run, data=data, status=body["status"])
+        if name.endswith(".json.gz"):
+            record = load_record(os.path.join(dest, name))
+            out[record.run.run_id] = record
     return out

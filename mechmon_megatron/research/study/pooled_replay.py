@@ -118,10 +118,11 @@ def null_residuals(
     return out
 
 
-def _fit_levels(
+def fit_levels(
     stats: Mapping[str, Mapping[str, list[float]]], overlap: int, tail_quantile: float, what: str
 ) -> tuple[dict[str, dict[str, NullTail]], dict[str, Any]]:
-    """Fit every family and level of ``stats``, with the borrowing of a data-starved test."""
+    """Fit every family and level of ``stats`` (``null_statistics`` or ``null_residuals``), with the
+    borrowing of a data-starved test; ``what`` names the statistic in the error."""
     tails: dict[str, dict[str, NullTail]] = {}
     log: dict[str, Any] = {}
     pooled = {level: [v for levels in stats.values() for v in levels[level]] for level in ("layer", "family")}
@@ -175,10 +176,10 @@ def fit_tail_table(
     shewhart_tails: dict[int, dict[str, dict[str, NullTail]]] = {}
     for overlap, (interval, series) in overlaps.items():
         config = default_sequential_config(interval)
-        tails[overlap], fit_log = _fit_levels(null_statistics(series, config), overlap, tail_quantile, "CUSUM")
+        tails[overlap], fit_log = fit_levels(null_statistics(series, config), overlap, tail_quantile, "CUSUM")
         log.update(fit_log)
         if shewhart:
-            shewhart_tails[overlap], fit_log = _fit_levels(
+            shewhart_tails[overlap], fit_log = fit_levels(
                 null_residuals(series, config), overlap, tail_quantile, "residual"
             )
             log.update({f"shewhart/{k}": v for k, v in fit_log.items()})

@@ -19,7 +19,13 @@ from typing import Any, Optional
 from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE, TailTable, load_tail_table
 from mechmon_megatron.detect.pooled_cusum import default_sequential_config
 from mechmon_megatron.research.study.campaign_data import CampaignRecord
-from mechmon_megatron.research.study.pooled_replay import CORE_FAMILIES, replay_pooled, subsample, thresholds_at_rate
+from mechmon_megatron.research.study.pooled_replay import (
+    CORE_FAMILIES,
+    Checks,
+    replay_pooled,
+    subsample,
+    thresholds_at_rate,
+)
 from mechmon_megatron.research.study.short_window_study import only_families
 
 RECORDED_INTERVAL = 20
@@ -54,19 +60,13 @@ class ShippedReplay:
     margins: dict[str, list[FamilyMargin]] = field(default_factory=dict)
 
 
-def replay_shipped(record: CampaignRecord, interval: int = RECORDED_INTERVAL,
-                   rate: float = DEFAULT_FALSE_ALARM_RATE, table: Optional[TailTable] = None) -> ShippedReplay:
-    """The shipped detector on ``record`` at ``interval`` (a multiple of :data:`RECORDED_INTERVAL`;
-    overlap ``ceil(RECORDED_DELTA / interval)``); ``table`` defaults to the shipped tails."""
-    if interval % RECORDED_INTERVAL:
-        raise ValueError(f"interval must be a multiple of {RECORDED_INTERVAL}, got {interval}")
-    every = interval // RECORDED_INTERVAL
-    overlap = max(1, -(-RECORDED_DELTA // interval))
-    checks = subsample(only_families(record.data.checks, CORE_FAMILIES), RECORDED_INTERVAL, every)
-    thresholds, _ = thresholds_at_rate(checks, interval, overlap, rate, table or load_tail_table())
+def replay_healthy(checks: Checks, interval: int, overlap: int, table: TailTable, run_id: str = "",
+                   rate: float = DEFAULT_FALSE_ALARM_RATE) -> ShippedReplay:
+    """The detector with ``table``'s thresholds at ``rate`` on one run's ``checks`` (already at
+    ``interval``, families the table covers only): its alarms and every family's margins."""
+    thresholds, _ = thresholds_at_rate(checks, interval, overlap, rate, table)
     replay = replay_pooled(checks, thresholds, default_sequential_config(interval))
-    out = ShippedReplay(run_id=record.run.run_id, interval=interval,
-                        steps=record.data.steps[-1] if record.data.steps else 0)
+    out = ShippedReplay(run_id=run_id, interval=interval, steps=checks[-1][0] if checks else 0)
     out.alarms = [{"step": a.step, "family": a.family, "level": a.level, "layers": list(a.layers),
                    "statistic": a.statistic, "threshold": a.threshold, "change_step": a.change_step}
                   for a in replay.alarms]
@@ -85,6 +85,26 @@ def replay_shipped(record: CampaignRecord, interval: int = RECORDED_INTERVAL,
     return out
 
 
+def replay_shipped(record: CampaignRecord, interval: int = RECORDED_INTERVAL,
+                   rate: float = DEFAULT_FALSE_ALARM_RATE, table: Optional[TailTable] = None) -> ShippedReplay:
+    """The shipped detector on ``record`` at ``interval`` (a multiple of :data:`RECORDED_INTERVAL`;
+    overlap ``ceil(RECORDED_DELTA / interval)``); ``table`` defaults to the shipped tails."""
+    if interval % RECORDED_INTERVAL:
+        raise ValueError(f"interval must be a multiple of {RECORDED_INTERVAL}, got {interval}")
+    every = interval // RECORDED_INTERVAL
+    overlap = max(1, -(-RECORDED_DELTA // interval))
+    checks = subsample(only_families(record.data.checks, CORE_FAMILIES), RECORDED_INTERVAL, every)
+    out = replay_healthy(checks, interval, overlap, table or load_tail_table(), record.run.run_id, rate)
+    out.steps = record.data.steps[-1] if record.data.steps else 0
+    return out
+
+
+def closest_margin(replay: ShippedReplay) -> tuple[str, FamilyMargin]:
+    """The family and layer-level margin whose largest CUSUM came closest to (or past) its warning."""
+    return max(((f, m) for f, ms in replay.margins.items() for m in ms if m.level == "layer"),
+               key=lambda fm: fm[1].largest / fm[1].warning)
+
+
 def markdown(replays: Sequence[ShippedReplay]) -> str:
     """One row per run and schedule: alarms, and the family whose layer CUSUM came closest to its
     warning level (largest / warning / alarm)."""
@@ -93,9 +113,7 @@ def markdown(replays: Sequence[ShippedReplay]) -> str:
     for r in replays:
         alarms = "; ".join(f"{a['family']} {a['level']} {a['layers']} at {a['step']} ({a['statistic']:.2f} > "
                            f"{a['threshold']:.2f})" for a in r.alarms) or "0"
-        layer_margins = [m for ms in r.margins.values() for m in ms if m.level == "layer"]
-        family = {id(m): f for f, ms in r.margins.items() for m in ms}
-        m = max(layer_margins, key=lambda m: m.largest / m.warning)
-        lines.append(f"| {r.run_id} | {r.interval} | {alarms} | {family[id(m)]} layer {m.layer} at {m.step}: "
+        family, m = closest_margin(r)
+        lines.append(f"| {r.run_id} | {r.interval} | {alarms} | {family} layer {m.layer} at {m.step}: "
                      f"{m.largest:.1f} / {m.warning:.1f} / {m.alarm:.1f} |")
     return "\n".join(lines)
