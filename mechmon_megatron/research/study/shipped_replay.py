@@ -117,3 +117,58 @@ def markdown(replays: Sequence[ShippedReplay]) -> str:
         lines.append(f"| {r.run_id} | {r.interval} | {alarms} | {family} layer {m.layer} at {m.step}: "
                      f"{m.largest:.1f} / {m.warning:.1f} / {m.alarm:.1f} |")
     return "\n".join(lines)
+
+
+@dataclass(frozen=True, slots=True)
+class FaultRow:
+    """One fault run under the shipped detector, beside the max-logit rule (steps)."""
+
+    run_id: str
+    onset: int
+    divergence: Optional[int]
+    first_alarm: Optional[int]
+    """First alarm at or after the onset, any family."""
+    first_family: Optional[str]
+    delta2: Optional[int]
+    dw: Optional[int]
+    rule: Optional[int]
+    """First episode of the max-logit rule at or after the onset."""
+    alarms_before_onset: int
+    lead: Optional[float]
+    """(divergence - first alarm) / (divergence - onset); None without both or after divergence."""
+
+
+def fault_row(record: CampaignRecord, rule_threshold: Optional[float],
+              rate: float = DEFAULT_FALSE_ALARM_RATE) -> FaultRow:
+    """The shipped detector (interval 20) and the max-logit rule at ``rule_threshold`` on a fault run."""
+    from mechmon_megatron.research.study.detector_report import events, lead_share
+    from mechmon_megatron.research.study.short_window_study import logit_rule_first
+
+    onset = record.run.fault_onset or 0
+    alarms = replay_shipped(record, RECORDED_INTERVAL, rate).alarms
+    after = [a for a in alarms if a["step"] >= onset]
+
+    def first(families: tuple[str, ...]) -> Optional[int]:
+        return next((a["step"] for a in after if a["family"] in families), None)
+
+    divergence = events(record)["divergence"]
+    first_step = after[0]["step"] if after else None
+    return FaultRow(run_id=record.run.run_id, onset=onset, divergence=divergence, first_alarm=first_step,
+                    first_family=after[0]["family"] if after else None, delta2=first(("attn_delta2",)),
+                    dw=first(("attn_dw",)), rule=logit_rule_first(record, rule_threshold),
+                    alarms_before_onset=len(alarms) - len(after), lead=lead_share(first_step, divergence, onset))
+
+
+def fault_markdown(rows: Sequence[FaultRow], rule_threshold: Optional[float]) -> str:
+    """The table of docs/RESULTS.md, "Fault runs at the session default" (held-out seeds)."""
+    def s(x: Optional[int]) -> str:
+        return "-" if x is None else str(x)
+
+    lines = [f"| run | onset | diverge | first alarm (family) | Δ2 | dW | max-logit rule ({rule_threshold:g}) | lead "
+             "| first alarm no later than the rule |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lead = "-" if r.lead is None else f"{100 * r.lead:.0f} %"
+        no_later = "-" if r.first_alarm is None else ("yes" if r.rule is None or r.first_alarm <= r.rule else "no")
+        lines.append(f"| {r.run_id} | {r.onset} | {s(r.divergence)} | {s(r.first_alarm)} ({r.first_family or '-'}) | "
+                     f"{s(r.delta2)} | {s(r.dw)} | {s(r.rule)} | {lead} | {no_later} |")
+    return "\n".join(lines)

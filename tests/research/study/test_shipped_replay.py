@@ -9,7 +9,7 @@ from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE, thresho
 from mechmon_megatron.detect.pooled_cusum import default_sequential_config
 from mechmon_megatron.research.study.campaign_records import load_records
 from mechmon_megatron.research.study.pooled_replay import CORE_FAMILIES, fit_tail_table, proxy_shape, replay_pooled
-from mechmon_megatron.research.study.shipped_replay import markdown, replay_shipped
+from mechmon_megatron.research.study.shipped_replay import fault_markdown, fault_row, markdown, replay_shipped
 from mechmon_megatron.research.study.short_window_study import CALIBRATION_RUNS, only_families
 
 RECORDS = os.path.join(os.path.dirname(__file__), "..", "..", "..", "docs", "data", "short_window_study")
@@ -61,3 +61,12 @@ def test_the_shipped_detector_names_attention_first_on_the_round7_fa_runs(record
         alarms = replay_shipped(record, 20).alarms
         assert alarms and alarms[0]["step"] > record.run.fault_onset, record.run.run_id
         assert alarms[0]["family"] in ("attn_delta2", "attn_dw"), (record.run.run_id, alarms[0])
+
+
+def test_fault_rows_put_the_first_alarm_beside_the_rule(records):
+    row = fault_row(records["fa-s32-on2000-seed11"], 2.5)
+    got = (row.onset, row.first_alarm, row.first_family, row.delta2, row.rule)
+    assert got == (2000, 2060, "attn_delta2", 2060, 2120)
+    assert row.alarms_before_onset == 0 and row.divergence is not None and 0.75 < row.lead < 1
+    table = fault_markdown([row], 2.5).splitlines()
+    assert table[0].startswith("| run | onset |") and table[2].endswith("| yes |")
