@@ -37,7 +37,7 @@ class HeldOutRun:
     overlap: int
     fitted_on: tuple[str, ...]
     alarms: tuple[dict[str, Any], ...]
-    """As ``ShippedReplay.alarms``: step, family, level, layers, statistic, threshold, change_step."""
+    """As ``DetectorReplay.alarms``: step, family, level, layers, statistic, threshold, change_step."""
     closest_family: str
     closest: FamilyMargin
     """The layer-level test that came closest to (or past) its warning level."""

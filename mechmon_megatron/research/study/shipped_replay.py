@@ -7,7 +7,9 @@ seen. Records from any campaign work (``campaign_records.load_records``); stream
 shipped table does not cover (``attn_delta2_short``) are dropped first. The margins are the
 largest layer-level and family-level CUSUM of each family over the run against its warning and
 alarm levels: a run whose CUSUM stays under the warning never freezes a baseline, so a small
-margin there is a near miss (docs/RESULTS.md, "Healthy runs").
+margin there is a near miss (docs/RESULTS.md, "Healthy runs"). ``replay_healthy`` does the same
+with any tail table (``calibration_check`` uses it for its held-out runs); ``fault_row`` puts a
+fault run's first alarms beside the max-logit rule.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any, Optional
 from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE, TailTable, load_tail_table
 from mechmon_megatron.detect.pooled_cusum import default_sequential_config
 from mechmon_megatron.research.study.campaign_data import CampaignRecord
+from mechmon_megatron.research.study.detector_report import events, lead_share
 from mechmon_megatron.research.study.pooled_replay import (
     CORE_FAMILIES,
     Checks,
@@ -26,7 +29,7 @@ from mechmon_megatron.research.study.pooled_replay import (
     subsample,
     thresholds_at_rate,
 )
-from mechmon_megatron.research.study.short_window_study import only_families
+from mechmon_megatron.research.study.short_window_study import logit_rule_first, only_families
 
 RECORDED_INTERVAL = 20
 """Steps between the recorded checks of the detector and short-window studies."""
@@ -49,8 +52,8 @@ class FamilyMargin:
 
 
 @dataclass
-class ShippedReplay:
-    """One healthy run under the shipped detector at one schedule."""
+class DetectorReplay:
+    """One run under the detector at one schedule (its alarms and its families' margins)."""
 
     run_id: str
     interval: int
@@ -61,12 +64,12 @@ class ShippedReplay:
 
 
 def replay_healthy(checks: Checks, interval: int, overlap: int, table: TailTable, run_id: str = "",
-                   rate: float = DEFAULT_FALSE_ALARM_RATE) -> ShippedReplay:
+                   rate: float = DEFAULT_FALSE_ALARM_RATE) -> DetectorReplay:
     """The detector with ``table``'s thresholds at ``rate`` on one run's ``checks`` (already at
     ``interval``, families the table covers only): its alarms and every family's margins."""
     thresholds, _ = thresholds_at_rate(checks, interval, overlap, rate, table)
     replay = replay_pooled(checks, thresholds, default_sequential_config(interval))
-    out = ShippedReplay(run_id=run_id, interval=interval, steps=checks[-1][0] if checks else 0)
+    out = DetectorReplay(run_id=run_id, interval=interval, steps=checks[-1][0] if checks else 0)
     out.alarms = [{"step": a.step, "family": a.family, "level": a.level, "layers": list(a.layers),
                    "statistic": a.statistic, "threshold": a.threshold, "change_step": a.change_step}
                   for a in replay.alarms]
@@ -86,7 +89,7 @@ def replay_healthy(checks: Checks, interval: int, overlap: int, table: TailTable
 
 
 def replay_shipped(record: CampaignRecord, interval: int = RECORDED_INTERVAL,
-                   rate: float = DEFAULT_FALSE_ALARM_RATE, table: Optional[TailTable] = None) -> ShippedReplay:
+                   rate: float = DEFAULT_FALSE_ALARM_RATE, table: Optional[TailTable] = None) -> DetectorReplay:
     """The shipped detector on ``record`` at ``interval`` (a multiple of :data:`RECORDED_INTERVAL`;
     overlap ``ceil(RECORDED_DELTA / interval)``); ``table`` defaults to the shipped tails."""
     if interval % RECORDED_INTERVAL:
@@ -99,13 +102,13 @@ def replay_shipped(record: CampaignRecord, interval: int = RECORDED_INTERVAL,
     return out
 
 
-def closest_margin(replay: ShippedReplay) -> tuple[str, FamilyMargin]:
+def closest_margin(replay: DetectorReplay) -> tuple[str, FamilyMargin]:
     """The family and layer-level margin whose largest CUSUM came closest to (or past) its warning."""
     return max(((f, m) for f, ms in replay.margins.items() for m in ms if m.level == "layer"),
                key=lambda fm: fm[1].largest / fm[1].warning)
 
 
-def markdown(replays: Sequence[ShippedReplay]) -> str:
+def markdown(replays: Sequence[DetectorReplay]) -> str:
     """One row per run and schedule: alarms, and the family whose layer CUSUM came closest to its
     warning level (largest / warning / alarm)."""
     lines = ["| run | interval | alarms | closest layer CUSUM to its warning (largest / warning / alarm) |",
@@ -141,9 +144,6 @@ class FaultRow:
 def fault_row(record: CampaignRecord, rule_threshold: Optional[float],
               rate: float = DEFAULT_FALSE_ALARM_RATE) -> FaultRow:
     """The shipped detector (interval 20) and the max-logit rule at ``rule_threshold`` on a fault run."""
-    from mechmon_megatron.research.study.detector_report import events, lead_share
-    from mechmon_megatron.research.study.short_window_study import logit_rule_first
-
     onset = record.run.fault_onset or 0
     alarms = replay_shipped(record, RECORDED_INTERVAL, rate).alarms
     after = [a for a in alarms if a["step"] >= onset]
