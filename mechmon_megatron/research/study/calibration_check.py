@@ -41,6 +41,8 @@ class HeldOutRun:
     closest_family: str
     closest: FamilyMargin
     """The layer-level test that came closest to (or past) its warning level."""
+    misfits: tuple[tuple[int, str], ...] = ()
+    """(step, family) where the session's calibration misfit counter would have fired."""
 
 
 def schedules(interval: int, delta: int) -> list[tuple[int, int, int]]:
@@ -87,19 +89,24 @@ def leave_one_run_out(series: Sequence[Checks], names: Sequence[str], interval: 
             replay = replay_healthy(held, sched_interval, overlap, table, names[i], rate)
             family, margin = closest_margin(replay)
             out.append(HeldOutRun(run=names[i], interval=sched_interval, overlap=overlap, fitted_on=tuple(others),
-                                  alarms=tuple(replay.alarms), closest_family=family, closest=margin))
+                                  alarms=tuple(replay.alarms), closest_family=family, closest=margin,
+                                  misfits=tuple((int(m[0]), str(m[1])) for m in replay.misfits)))
     return out
 
 
 def summary(checks: Sequence[HeldOutRun]) -> dict[str, Any]:
-    """Per schedule: held-out runs, those with an alarm, and the smallest room under a warning
-    level (warning / largest: below 1 means the warning was crossed)."""
+    """Per schedule: held-out runs, those with an alarm, those whose misfit counter fired first
+    (before their first alarm, or with none), and the smallest room under a warning level
+    (warning / largest: below 1 means the warning was crossed)."""
     out: dict[str, Any] = {}
     for c in checks:
-        entry = out.setdefault(f"interval {c.interval}", {"runs": 0, "with_alarm": [], "least_room": None})
+        entry = out.setdefault(f"interval {c.interval}",
+                               {"runs": 0, "with_alarm": [], "misfit_first": [], "least_room": None})
         entry["runs"] += 1
         if c.alarms:
             entry["with_alarm"].append(c.run)
+        if c.misfits and (not c.alarms or c.misfits[0][0] < c.alarms[0]["step"]):
+            entry["misfit_first"].append(c.run)
         room = c.closest.warning / c.closest.largest if c.closest.largest > 0 else math.inf
         if entry["least_room"] is None or room < entry["least_room"]["warning_over_largest"]:
             entry["least_room"] = {"run": c.run, "family": c.closest_family, "layer": c.closest.layer,

@@ -49,6 +49,8 @@ class PooledReplay:
     alarms: list[PooledAlarm] = field(default_factory=list)
     statistics: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     """``"<family>/cusum/layer_L"`` and ``"<family>/cusum"`` -> [(step, S)]."""
+    misfits: list[tuple[int, str]] = field(default_factory=list)
+    """(step, family) where the calibration misfit counter fired (with ``warning_probability``)."""
 
 
 def replay_pooled(
@@ -56,13 +58,16 @@ def replay_pooled(
     thresholds: Mapping[str, FamilyThresholds],
     config: SequentialConfig,
     start_step: int = 0,
+    warning_probability: Optional[float] = None,
 ) -> PooledReplay:
     """Feed every check to a fresh detector; alarms before ``start_step`` are kept but flagged by
-    the caller (the detector sees the whole run either way)."""
-    detector = PooledCusumDetector(thresholds, config)
+    the caller (the detector sees the whole run either way). ``warning_probability`` (the per-test
+    probability of the warning level, as the session passes it) turns the misfit counter on."""
+    detector = PooledCusumDetector(thresholds, config, warning_probability=warning_probability)
     out = PooledReplay(first_alarm={f: None for f in FAMILIES})
     for step, scalars in checks:
         result = detector.update(step, observations_from_scalars(scalars))
+        out.misfits += [(step, family) for family in result.misfits]
         for key, value in result.statistics.items():
             if "/cusum" in key:
                 out.statistics.setdefault(key, []).append((step, value))

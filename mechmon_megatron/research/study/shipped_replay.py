@@ -61,15 +61,20 @@ class DetectorReplay:
     alarms: list[dict[str, Any]] = field(default_factory=list)
     """Each: step, family, level, layers, statistic, threshold, change_step."""
     margins: dict[str, list[FamilyMargin]] = field(default_factory=dict)
+    misfits: list[list[Any]] = field(default_factory=list)
+    """[step, family] where the calibration misfit counter fired, as the session's would."""
 
 
 def replay_healthy(checks: Checks, interval: int, overlap: int, table: TailTable, run_id: str = "",
                    rate: float = DEFAULT_FALSE_ALARM_RATE) -> DetectorReplay:
     """The detector with ``table``'s thresholds at ``rate`` on one run's ``checks`` (already at
-    ``interval``, families the table covers only): its alarms and every family's margins."""
-    thresholds, _ = thresholds_at_rate(checks, interval, overlap, rate, table)
-    replay = replay_pooled(checks, thresholds, default_sequential_config(interval))
-    out = DetectorReplay(run_id=run_id, interval=interval, steps=checks[-1][0] if checks else 0)
+    ``interval``, families the table covers only), its misfit counter on as in the session: its
+    alarms, misfits and every family's margins."""
+    thresholds, account = thresholds_at_rate(checks, interval, overlap, rate, table)
+    replay = replay_pooled(checks, thresholds, default_sequential_config(interval),
+                           warning_probability=account["warning_per_test_check_probability"])
+    out = DetectorReplay(run_id=run_id, interval=interval, steps=checks[-1][0] if checks else 0,
+                         misfits=[list(m) for m in replay.misfits])
     out.alarms = [{"step": a.step, "family": a.family, "level": a.level, "layers": list(a.layers),
                    "statistic": a.statistic, "threshold": a.threshold, "change_step": a.change_step}
                   for a in replay.alarms]

@@ -40,11 +40,15 @@ def test_seed11_is_a_near_miss_that_a_refit_on_other_realisations_turns_into_an_
     # The round-7 design `long`: the same families, tails fitted on this campaign's own seed 1-2 runs.
     series = [only_families(records[r].data.checks, CORE_FAMILIES) for r in CALIBRATION_RUNS]
     table, _ = fit_tail_table({5: (20, series)})
-    thresholds, _ = thresholds_for_job(proxy_shape(series[0], 20, 5), DEFAULT_FALSE_ALARM_RATE, table)
+    thresholds, account = thresholds_for_job(proxy_shape(series[0], 20, 5), DEFAULT_FALSE_ALARM_RATE, table)
     assert thresholds["router_entropy"].layer.warning < layer.largest
     checks = only_families(records["healthy-cosine-seed11"].data.checks, CORE_FAMILIES)
-    alarms = replay_pooled(checks, thresholds, default_sequential_config(20)).alarms
-    assert [(a.step, a.family, a.level, a.layers) for a in alarms] == [(680, "router_entropy", "layer", (4,))]
+    replay = replay_pooled(checks, thresholds, default_sequential_config(20),
+                           warning_probability=account["warning_per_test_check_probability"])
+    assert [(a.step, a.family, a.level, a.layers) for a in replay.alarms] == [(680, "router_entropy", "layer", (4,))]
+    # the session's misfit counter names the family 140 steps before that false alarm
+    assert replay.misfits == [(540, "router_entropy")]
+    assert not shipped.misfits
 
 
 def test_markdown_names_each_alarm_and_the_bad_interval_is_refused(records):
