@@ -27,6 +27,11 @@ time on the shared machine):
    (the false-alarm test) that are also the parents of the FA faults of seeds 10-12 (onset 500,
    then 2,000; forks at 400 and 1,900, like the calibration seeds). Added on 2026-12-03 before any
    of these runs existed (:func:`round7_held_out_ids`).
+9. held out for the shipped detector's false-alarm statement (session 12, after the round-7 runs
+   showed a near miss and the leave-one-run-out check rejected the exponential tail):
+   ``healthy-cosine-seed{13,14,15}``, NEW 10,000-step healthy runs, no forks. Added on 2026-12-03
+   before any of these runs existed (:func:`round8_healthy_ids`); the shipped ``null_tails.json``
+   is replayed on them unchanged (docs/RESULTS.md, "Healthy runs").
 
 Items 4 and 6 were added in round 5 before any of their runs started; they are reported, not part
 of the choice. The launch order of 4-6 only decides what a session's time reaches first.
@@ -63,6 +68,8 @@ SECOND_HELD_OUT_SEEDS = (7, 8, 9)
 """Fault seeds for a design changed after seeds 4-6 were looked at (round 6, docs/RESULTS.md)."""
 THIRD_HELD_OUT_SEEDS = (10, 11, 12)
 """Round 7: fault seeds and new 10,000-step healthy runs for ``long+logit5`` (docs/RESULTS.md)."""
+HEALTHY_CHECK_SEEDS = (13, 14, 15)
+"""Item 9: new 10,000-step healthy runs on which the shipped detector is replayed unchanged."""
 STRENGTHS = (32.0, 16.0)
 LR_SCENARIOS = ("moe-router-lr", "moe-lr")
 """Router-only 15x and whole-model 4x learning rate, as in the detector study (``long_plan``)."""
@@ -119,7 +126,7 @@ def plan_short_window_campaign(calibration_path: str, preset: Optional[Preset] =
     parents = {seed: healthy(seed, HEALTHY_ITERS, False) for seed in CALIBRATION_SEEDS}
     for seed in (3, *HELD_OUT_SEEDS, *SECOND_HELD_OUT_SEEDS):
         parents[seed] = healthy(seed, prefix_iters, True)
-    for seed in THIRD_HELD_OUT_SEEDS:  # full 10,000-step runs: held-out healthy runs and parents
+    for seed in (*THIRD_HELD_OUT_SEEDS, *HEALTHY_CHECK_SEEDS):  # full 10,000-step runs (held-out healthy)
         parents[seed] = healthy(seed, HEALTHY_ITERS, False)
     def lr_fault(scenario: str, seed: int) -> CampaignRun:
         return CampaignRun(
@@ -142,6 +149,7 @@ def plan_short_window_campaign(calibration_path: str, preset: Optional[Preset] =
     runs += [parents[s] for s in THIRD_HELD_OUT_SEEDS]
     for onset in FA_ONSETS:
         runs += [fault(parents[s], strength, onset) for s in THIRD_HELD_OUT_SEEDS for strength in STRENGTHS]
+    runs += [parents[s] for s in HEALTHY_CHECK_SEEDS]
     return runs
 
 
@@ -151,3 +159,8 @@ def round7_held_out_ids(calibration_path: str = PROVISIONAL_CALIBRATION) -> list
     seeds = {f"seed{s}" for s in THIRD_HELD_OUT_SEEDS}
     return [r.run_id for r in plan_short_window_campaign(calibration_path) if r.run_id.rsplit("-", 1)[1] in seeds]
 
+
+
+def round8_healthy_ids() -> list[str]:
+    """The run ids of item 9 (``--only`` for ``tools/detector_study.py run --plan short-window``)."""
+    return [f"healthy-cosine-seed{s}" for s in HEALTHY_CHECK_SEEDS]

@@ -24,6 +24,7 @@ from mechmon_megatron.research.study.short_window_plan import (
     THIRD_HELD_OUT_SEEDS,
     plan_short_window_campaign,
     round7_held_out_ids,
+    round8_healthy_ids,
 )
 
 
@@ -152,7 +153,7 @@ def test_leave_one_out_against_brute_force_and_its_verdict():
 def test_round7_held_out_runs_are_planned_and_recorded_apart_from_the_choice():
     ids = round7_held_out_ids()
     plan = {r.run_id: r for r in plan_short_window_campaign("calibration.json")}
-    assert len(plan) == 69 and set(ids) <= set(plan)
+    assert len(plan) == 72 and set(ids) <= set(plan)
     healthy = [i for i in ids if plan[i].kind == "healthy"]
     faults = [i for i in ids if plan[i].kind == "fault"]
     assert healthy == [f"healthy-cosine-seed{s}" for s in THIRD_HELD_OUT_SEEDS]
@@ -169,3 +170,12 @@ def test_round7_held_out_runs_are_planned_and_recorded_apart_from_the_choice():
     assert set(ROUND7_TAIL_RUNS) <= seen and set(ids) <= seen
     others = seen - set(ids)
     assert len(others) > 54 and not {plan[i].seed for i in ids} & {int(s.rsplit("seed", 1)[1]) for s in others}
+
+
+def test_the_healthy_check_runs_are_new_10000_step_runs_without_forks():
+    plan = {r.run_id: r for r in plan_short_window_campaign("calibration.json")}
+    ids = round8_healthy_ids()
+    assert ids == ["healthy-cosine-seed13", "healthy-cosine-seed14", "healthy-cosine-seed15"]
+    assert all(plan[i].kind == "healthy" and plan[i].train_iters == 10_000 for i in ids)
+    assert not [r for r in plan.values() if r.parent in ids]
+    assert all(r.seed not in (13, 14, 15) for r in plan.values() if r.run_id not in ids)
