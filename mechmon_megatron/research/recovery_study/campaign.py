@@ -203,18 +203,22 @@ def loss_curve(rows: dict[int, dict], block: int = CURVE_STEPS) -> list[list[Opt
     return [[end, round(statistics.fmean(v), 5) if v else None] for end, v in sorted(blocks.items())]
 
 
-def _discarded_curves(state: LaunchState) -> list[list[list[Optional[float]]]]:
-    """The loss curve of each stretch that a later launch threw away (after its start step)."""
+def _thrown_away(state: LaunchState) -> list[dict[int, dict]]:
+    """Per launch but the last: its metrics rows after the next launch's start step (trained, then
+    discarded by a rollback or a restart before them), iteration -> row, in order."""
     from mechmon_megatron.research.recovery_study.launch import read_rows
 
     out = []
     for k, launch in enumerate(state.launches[:-1]):
         nxt = state.launches[k + 1].start_iteration
         rows = {int(r["iteration"]): r for r in read_rows(launch.metrics_path(state.directory))}
-        lost = {i: r for i, r in sorted(rows.items()) if i > nxt}
-        if lost:
-            out.append(loss_curve(lost))
+        out.append({i: r for i, r in sorted(rows.items()) if i > nxt})
     return out
+
+
+def _discarded_curves(state: LaunchState) -> list[list[list[Optional[float]]]]:
+    """The loss curve of each stretch that a later launch threw away."""
+    return [loss_curve(lost) for lost in _thrown_away(state) if lost]
 
 
 def _alarms(text: str) -> list[str]:
@@ -231,16 +235,8 @@ def _log_mode_alarms(directory: str) -> list[int]:
 
 def _discarded(state: LaunchState) -> tuple[int, float]:
     """Steps trained and later thrown away, and their step times (s)."""
-    steps, seconds = 0, 0.0
-    from mechmon_megatron.research.recovery_study.launch import read_rows
-
-    for k, launch in enumerate(state.launches[:-1]):
-        nxt = state.launches[k + 1].start_iteration
-        rows = {int(r["iteration"]): r for r in read_rows(launch.metrics_path(state.directory))}
-        lost = [r for i, r in rows.items() if i > nxt]
-        steps += len(lost)
-        seconds += sum(float(r.get("step_time_s") or 0.0) for r in lost)
-    return steps, seconds
+    lost = [r for stretch in _thrown_away(state) for r in stretch.values()]
+    return len(lost), sum(float(r.get("step_time_s") or 0.0) for r in lost)
 
 
 def _startup_s(state: LaunchState) -> float:
