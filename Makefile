@@ -41,9 +41,20 @@ test: lint
 test-current: $(STAMP_CURRENT)
 	$(PY_CURRENT) -m pytest tests -q --durations=15 $(PYTEST_ARGS)
 
+# nvidia-resiliency-ext's launcher in a folder of its own, for the one test that supervises it.
+NVRX := $(VENV)/nvrx
+NVRX_STAMP := $(NVRX)/.mechmon-installed
+$(NVRX_STAMP): $(STAMP) tools/requirements/nvrx.txt
+	$(PY) -m pip install -q --no-deps --target $(NVRX) -r tools/requirements/nvrx.txt
+	touch $@
+
 # Opt-in slow tests (long fault-study runs, end-to-end Megatron-LM, SLURM): see tests/README.md.
-test-slow: $(STAMP)
+# The ft_launcher test runs again, alone, with nvidia-resiliency-ext importable (skipped in the
+# first run, where it is not; required in the second).
+test-slow: $(STAMP) $(NVRX_STAMP)
 	MECHMON_SLOW=1 $(PY) -m pytest tests -q -m slow $(PYTEST_ARGS)
+	MECHMON_SLOW=1 MECHMON_REQUIRE_NVRX=1 PYTHONPATH=$(abspath $(NVRX)) $(PY) -m pytest -q -m slow \
+	    tests/supervise/test_trainer_recovery.py -k nvidia_resiliency_ext -rs
 
 demo: $(STAMP)
 	$(PY) tools/demo.py
