@@ -599,8 +599,9 @@ class MonitoringSession:
         for family in result.misfits:  # once per family and job: the loud part of the misfit counter
             logger.warning(
                 "[mechmon] detector: calibration misfit in %s: %s warning episodes in the healthy phase where the "
-                "null tails predict %.3g; the thresholds are too low for this job -- refit them on its healthy "
-                "steps with tools/calibrate_detector.py and pass --mechmon-detector-calibration",
+                "null tails predict %.3g: either a change is starting in this family (an alarm may follow) or its "
+                "thresholds are too low for this job; if no alarm follows, refit them on its healthy steps with "
+                "tools/calibrate_detector.py and pass --mechmon-detector-calibration",
                 family,
                 int(result.statistics.get(f"{family}/calibration_misfit/observed", 0)),
                 result.statistics.get(f"{family}/calibration_misfit/expected", 0.0),
