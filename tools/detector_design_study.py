@@ -12,6 +12,14 @@ on the short-window campaign (``mechmon_megatron.research.study.short_window_stu
 exported records or straight from its campaign directory (runs still going included):
 
     python tools/detector_design_study.py --short-window --records ../detector_runs/short_window
+
+``--persistence`` (issue 19, round 8): the same comparison with the persistence of Delta2's
+leading direction as the added family (``mechmon_megatron.research.study.persistence_study``);
+``--more-records`` adds exported records of other campaigns (the held-out healthy seeds 13-15),
+``--runs`` replays only the named runs (the calibration runs are always fitted):
+
+    python tools/detector_design_study.py --persistence --records docs/data/short_window_study \
+        --more-records docs/data/healthy_check_study
 """
 
 from __future__ import annotations
@@ -39,11 +47,19 @@ def main(argv=None) -> int:
     p.add_argument("--study-records", default=_RECORDS,
                    help="With --short-window: the detector study's records, which fix the max-logit rule's "
                    "threshold (default: docs/data/detector_study).")
+    p.add_argument("--persistence", action="store_true",
+                   help="Like --short-window, with the persistence of Delta2's leading direction as the added family.")
+    p.add_argument("--more-records", action="append", default=[], metavar="DIR",
+                   help="With --short-window / --persistence: more exported records (repeatable).")
+    p.add_argument("--runs", default=None,
+                   help="With --short-window / --persistence: replay only these run ids (comma-separated); the "
+                   "calibration runs are always loaded.")
     args = p.parse_args(argv)
-    if not os.path.isdir(args.records):
-        print(f"--records: no such directory {args.records!r}", file=sys.stderr)
-        return 2
-    if args.short_window:
+    for flag, path in [("--records", args.records)] + [("--more-records", d) for d in args.more_records]:
+        if not os.path.isdir(path):
+            print(f"{flag}: no such directory {path!r}", file=sys.stderr)
+            return 2
+    if args.short_window or args.persistence:
         return _short_window(args)
     results = run_study(load_records(args.records), rate=args.rate)
     if args.out:
@@ -55,7 +71,9 @@ def main(argv=None) -> int:
 
 
 def _short_window(args: argparse.Namespace) -> int:
+    from mechmon_megatron.research.study import persistence_study
     from mechmon_megatron.research.study.campaign_data import load_campaign
+    from mechmon_megatron.research.study.detector_report import CALIBRATION_RUNS
     from mechmon_megatron.research.study.short_window_plan import HELD_OUT_SEEDS, plan_short_window_campaign
     from mechmon_megatron.research.study.short_window_study import (
         logit_rule_threshold,
@@ -70,9 +88,20 @@ def _short_window(args: argparse.Namespace) -> int:
         records = load_campaign(args.records, plan)
     else:
         records = load_records(args.records)
+    for directory in args.more_records:
+        records.update(load_records(directory))
+    if args.runs:
+        wanted = [r for r in args.runs.split(",") if r]
+        unknown = [r for r in wanted if r not in records]
+        if unknown:
+            print(f"--runs: not in the records: {', '.join(unknown)}", file=sys.stderr)
+            return 2
+        records = {r: rec for r, rec in records.items() if r in wanted or r in CALIBRATION_RUNS}
     threshold = logit_rule_threshold(load_records(args.study_records))
+    study = persistence_study.run_persistence_study if args.persistence else run_short_window_study
+    render = persistence_study.markdown if args.persistence else short_markdown
     try:
-        results = run_short_window_study(records, rate=args.rate, logit_threshold=threshold)
+        results = study(records, rate=args.rate, logit_threshold=threshold)
     except ValueError as exc:
         print(f"--records {args.records}: {exc}", file=sys.stderr)
         return 2
@@ -80,7 +109,8 @@ def _short_window(args: argparse.Namespace) -> int:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=1)
             f.write("\n")
-    print(short_markdown(results, held_out_seeds=HELD_OUT_SEEDS))
+    held_out = persistence_study.HELD_OUT_SEEDS if args.persistence else HELD_OUT_SEEDS
+    print(render(results, held_out_seeds=held_out))
     return 0
 
 
