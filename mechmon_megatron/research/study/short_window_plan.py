@@ -32,6 +32,11 @@ time on the shared machine):
    ``healthy-cosine-seed{13,14,15}``, NEW 10,000-step healthy runs, no forks. Added on 2026-12-03
    before any of these runs existed (:func:`round8_healthy_ids`); the shipped ``null_tails.json``
    is replayed on them unchanged (docs/RESULTS.md, "Healthy runs").
+10. the grid's 8-ulp row on three seeds (issue 19 asks for 8 ulps on 3 seeds; the detector study
+    has seed 1 only): ``fa-s8-on500-seed{10,11,12}``, forked at 400 from the round-7 healthy runs,
+    capped at onset + 3,000 and stopped 300 steps after the loss diverges, like every FA fork.
+    Added on 2026-12-04 (session 13) before any of these runs existed (:func:`s8_ids`); the shipped
+    detector and the max-logit rule at 2.5 are replayed on them unchanged (docs/RESULTS.md).
 
 Items 4 and 6 were added in round 5 before any of their runs started; they are reported, not part
 of the choice. The launch order of 4-6 only decides what a session's time reaches first.
@@ -70,6 +75,8 @@ THIRD_HELD_OUT_SEEDS = (10, 11, 12)
 """Round 7: fault seeds and new 10,000-step healthy runs for ``long+logit5`` (docs/RESULTS.md)."""
 HEALTHY_CHECK_SEEDS = (13, 14, 15)
 """Item 9: new 10,000-step healthy runs on which the shipped detector is replayed unchanged."""
+S8_SEEDS, S8_STRENGTH, S8_ONSET = THIRD_HELD_OUT_SEEDS, 8.0, 500
+"""Item 10: the 8-ulp FA fault at onset 500 on three seeds (forks of the round-7 healthy runs)."""
 STRENGTHS = (32.0, 16.0)
 LR_SCENARIOS = ("moe-router-lr", "moe-lr")
 """Router-only 15x and whole-model 4x learning rate, as in the detector study (``long_plan``)."""
@@ -150,6 +157,7 @@ def plan_short_window_campaign(calibration_path: str, preset: Optional[Preset] =
     for onset in FA_ONSETS:
         runs += [fault(parents[s], strength, onset) for s in THIRD_HELD_OUT_SEEDS for strength in STRENGTHS]
     runs += [parents[s] for s in HEALTHY_CHECK_SEEDS]
+    runs += [fault(parents[s], S8_STRENGTH, S8_ONSET) for s in S8_SEEDS]
     return runs
 
 
@@ -157,10 +165,17 @@ def round7_held_out_ids(calibration_path: str = PROVISIONAL_CALIBRATION) -> list
     """The run ids of item 8 (round 7's held-out runs), in launch order: the three 10,000-step
     healthy runs, then their FA forks. ``--only`` for ``tools/detector_study.py run``."""
     seeds = {f"seed{s}" for s in THIRD_HELD_OUT_SEEDS}
-    return [r.run_id for r in plan_short_window_campaign(calibration_path) if r.run_id.rsplit("-", 1)[1] in seeds]
+    later = set(s8_ids())  # item 10 forks the same parents; it is not part of round 7
+    return [r.run_id for r in plan_short_window_campaign(calibration_path)
+            if r.run_id.rsplit("-", 1)[1] in seeds and r.run_id not in later]
 
 
 
 def round8_healthy_ids() -> list[str]:
     """The run ids of item 9 (``--only`` for ``tools/detector_study.py run --plan short-window``)."""
     return [f"healthy-cosine-seed{s}" for s in HEALTHY_CHECK_SEEDS]
+
+
+def s8_ids() -> list[str]:
+    """The run ids of item 10 (``--only`` for ``tools/detector_study.py run --plan short-window``)."""
+    return [f"fa-s{int(S8_STRENGTH)}-on{S8_ONSET}-seed{s}" for s in S8_SEEDS]

@@ -25,6 +25,7 @@ from mechmon_megatron.research.study.short_window_plan import (
     plan_short_window_campaign,
     round7_held_out_ids,
     round8_healthy_ids,
+    s8_ids,
 )
 
 
@@ -153,7 +154,7 @@ def test_leave_one_out_against_brute_force_and_its_verdict():
 def test_round7_held_out_runs_are_planned_and_recorded_apart_from_the_choice():
     ids = round7_held_out_ids()
     plan = {r.run_id: r for r in plan_short_window_campaign("calibration.json")}
-    assert len(plan) == 72 and set(ids) <= set(plan)
+    assert len(plan) == 75 and set(ids) <= set(plan)
     healthy = [i for i in ids if plan[i].kind == "healthy"]
     faults = [i for i in ids if plan[i].kind == "fault"]
     assert healthy == [f"healthy-cosine-seed{s}" for s in THIRD_HELD_OUT_SEEDS]
@@ -179,3 +180,14 @@ def test_the_healthy_check_runs_are_new_10000_step_runs_without_forks():
     assert all(plan[i].kind == "healthy" and plan[i].train_iters == 10_000 for i in ids)
     assert not [r for r in plan.values() if r.parent in ids]
     assert all(r.seed not in (13, 14, 15) for r in plan.values() if r.run_id not in ids)
+
+
+def test_the_8_ulp_runs_are_forks_of_the_round7_parents_at_400():
+    plan = {r.run_id: r for r in plan_short_window_campaign("calibration.json")}
+    ids = s8_ids()
+    assert ids == ["fa-s8-on500-seed10", "fa-s8-on500-seed11", "fa-s8-on500-seed12"]
+    for seed, run_id in zip((10, 11, 12), ids):
+        run = plan[run_id]
+        assert run.parent == f"healthy-cosine-seed{seed}" and run.fork_at == 400 and run.fault_onset == 500
+        assert run.fa_strength == 8.0 and run.train_iters == 3500 and "--mechmon-short-window" in run.flags
+    assert not set(ids) & set(round7_held_out_ids())
