@@ -73,3 +73,21 @@ def test_unreadable_policy(tmp_path: Path):
     (tmp_path / "broken.json").write_text("{not json")
     with pytest.raises(PolicyError, match="broken.json: cannot read"):
         load_policy(str(tmp_path / "broken.json"))
+
+
+def test_a_user_policy_can_restore_the_intended_lr(tmp_path: Path):
+    """docs/RECOVERY.md, "Missed": the remedy only a team that knows its intended LR can write."""
+    from mechmon_megatron.supervise.command import flag_values
+    from mechmon_megatron.supervise.remedy import apply_edit
+
+    path = tmp_path / "known_lr.json"
+    path.write_text(json.dumps({"version": 1, "families": {"router_entropy": "router", "router_weights": "router"},
+                                "remedies": {"router": [{"name": "intended-lr", "alternatives": [
+                                    {"set": {"--lr": "3e-4", "--min-lr": "3e-5"}}]}]}}))
+    policy = resolve_policy(load_policy(str(path)), parse_help(TRAINER_HELP))
+    name, remedies = policy.remedy_list("router_entropy")
+    assert name == "router" and [r.remedy.name for r in remedies] == ["intended-lr"]
+    applied = apply_edit(["--lr", "1.2e-3", "--min-lr", "1.2e-4", "--save", "ck"], remedies[0].edit)
+    assert flag_values(applied.args, "--lr") == ["3e-4"] and flag_values(applied.args, "--min-lr") == ["3e-5"]
+    assert flag_values(applied.args, "--save") == ["ck"] and len(applied.args) == 6
+    assert applied.removed == ["--lr 1.2e-3", "--min-lr 1.2e-4"]
