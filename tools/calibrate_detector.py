@@ -25,7 +25,7 @@ import sys
 from dataclasses import asdict
 
 from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE
-from mechmon_megatron.research.study.calibration_check import leave_one_run_out, summary
+from mechmon_megatron.research.study.calibration_check import leave_one_run_out, replays_needed, summary
 from mechmon_megatron.research.study.campaign_data import load_checks
 from mechmon_megatron.research.study.pooled_replay import calibrate_on_runs
 
@@ -60,14 +60,31 @@ def main(argv=None) -> int:
             f.write("\n")
     result = {"out": args.out, "runs": len(series), "checks": sum(len(s) for s in series), "fit": log}
     if args.leave_one_out:
+        bar = _progress_bar(replays_needed(len(series), args.interval, args.delta))
         try:
-            held = leave_one_run_out(series, [_name(r) for r in args.runs], args.interval, args.delta, args.rate)
+            held = leave_one_run_out(series, [_name(r) for r in args.runs], args.interval, args.delta, args.rate,
+                                     on_replay=bar.update if bar is not None else None)
         except ValueError as exc:
             raise SystemExit(f"--leave-one-out failed: {exc}") from None
+        finally:
+            if bar is not None:
+                bar.close()
         result["leave_one_out"] = {"rate": args.rate, "summary": summary(held),
                                    "runs": [asdict(h) for h in held]}
     print(json.dumps(result, indent=1))
     return 0
+
+
+def _progress_bar(total: int):
+    """A tqdm bar of the leave-one-out replays on stderr when it is a terminal (never in logs or
+    pipes), else None; None as well without tqdm (it is in the ``test`` extra)."""
+    if not sys.stderr.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="replay", desc="leave-one-out", file=sys.stderr, dynamic_ncols=True)
 
 
 def _name(path: str) -> str:

@@ -15,9 +15,9 @@ check of N runs costs about 2N replays. Research code: it reads recorded checks,
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE, TailTable
 from mechmon_megatron.detect.pooled_cusum import default_sequential_config
@@ -66,12 +66,20 @@ def _pooled(stats: Sequence[Mapping[str, Mapping[str, list[float]]]]) -> dict[st
     return out
 
 
+def replays_needed(runs: int, interval: int, delta: int) -> int:
+    """How many detector replays :func:`leave_one_run_out` makes (its progress total)."""
+    return 2 * runs * len(schedules(interval, delta))
+
+
 def leave_one_run_out(series: Sequence[Checks], names: Sequence[str], interval: int, delta: int,
-                      rate: float = DEFAULT_FALSE_ALARM_RATE) -> list[HeldOutRun]:
+                      rate: float = DEFAULT_FALSE_ALARM_RATE,
+                      on_replay: Optional[Callable[[], None]] = None) -> list[HeldOutRun]:
     """Every run of ``series`` (checks recorded every ``interval`` steps over ``delta``-step
     windows, named by ``names``) against the tails of the others, at each schedule of
-    :func:`schedules`. ``ValueError`` for fewer than three runs (two to fit, one to hold out) or
-    when the others have too few excursions to fit a family (the message names it)."""
+    :func:`schedules`. ``on_replay`` is called after each detector replay (a progress bar:
+    :func:`replays_needed` calls in all). ``ValueError`` for fewer than three runs (two to fit,
+    one to hold out) or when the others have too few excursions to fit a family (the message
+    names it)."""
     if len(series) != len(names):
         raise ValueError(f"{len(series)} runs but {len(names)} names")
     if len(series) < 3:
@@ -80,13 +88,18 @@ def leave_one_run_out(series: Sequence[Checks], names: Sequence[str], interval: 
     for sched_interval, overlap, every in schedules(interval, delta):
         runs = [subsample(c, interval, every) for c in series]
         config = default_sequential_config(sched_interval)
-        per_run = [null_statistics([c], config) for c in runs]
+        tick = on_replay or (lambda: None)
+        per_run = []
+        for c in runs:
+            per_run.append(null_statistics([c], config))
+            tick()
         for i, held in enumerate(runs):
             others = [names[j] for j in range(len(runs)) if j != i]
             tails, _ = fit_levels(_pooled([per_run[j] for j in range(len(runs)) if j != i]), overlap,
                                   TAIL_QUANTILE, "CUSUM")
             table = TailTable(tails={overlap: tails}, source=f"healthy runs {', '.join(others)}")
             replay = replay_healthy(held, sched_interval, overlap, table, names[i], rate)
+            tick()
             family, margin = closest_margin(replay)
             out.append(HeldOutRun(run=names[i], interval=sched_interval, overlap=overlap, fitted_on=tuple(others),
                                   alarms=tuple(replay.alarms), closest_family=family, closest=margin,

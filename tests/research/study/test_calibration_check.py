@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from mechmon_megatron.research.study.calibration_check import leave_one_run_out, schedules, summary
+from mechmon_megatron.research.study.calibration_check import leave_one_run_out, replays_needed, schedules, summary
 from mechmon_megatron.research.study.campaign_data import load_checks
 from mechmon_megatron.research.study.campaign_records import load_record
 from mechmon_megatron.research.study.shipped_replay import closest_margin, replay_shipped
@@ -25,7 +25,10 @@ def _path(run_id: str) -> str:
 
 
 def test_the_fold_fitted_on_the_calibration_seeds_replays_as_the_shipped_detector():
-    held = leave_one_run_out([load_checks(_path(r)) for r in SEEDS], list(SEEDS), 20, 100)
+    ticks: list[int] = []
+    held = leave_one_run_out([load_checks(_path(r)) for r in SEEDS], list(SEEDS), 20, 100,
+                             on_replay=lambda: ticks.append(1))
+    assert len(ticks) == replays_needed(len(SEEDS), 20, 100) == 12  # the progress bar's total
     assert [(h.run, h.interval, h.overlap) for h in held] == [(r, i, o) for i, o in ((20, 5), (100, 1)) for r in SEEDS]
     for h in (h for h in held if h.run == "healthy-cosine-seed3"):
         assert h.fitted_on == ("healthy-cosine-seed1", "healthy-cosine-seed2")
