@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE, TailTable
+from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE, NullTail, TailTable
 from mechmon_megatron.detect.pooled_cusum import default_sequential_config
 from mechmon_megatron.research.study.pooled_replay import Checks, fit_levels, null_statistics, subsample
 from mechmon_megatron.research.study.shipped_replay import FamilyMargin, closest_margin, replay_healthy
@@ -57,7 +57,7 @@ def schedules(interval: int, delta: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def _pooled(stats: Sequence[Mapping[str, Mapping[str, list[float]]]]) -> dict[str, dict[str, list[float]]]:
+def pool_statistics(stats: Sequence[Mapping[str, Mapping[str, list[float]]]]) -> dict[str, dict[str, list[float]]]:
     out: dict[str, dict[str, list[float]]] = {}
     for s in stats:
         for family, levels in s.items():
@@ -71,15 +71,28 @@ def replays_needed(runs: int, interval: int, delta: int) -> int:
     return 2 * runs * len(schedules(interval, delta))
 
 
+FoldFit = Callable[[Sequence[Checks], Sequence[Mapping[str, Mapping[str, list[float]]]], int, int],
+                  dict[str, dict[str, NullTail]]]
+"""(the fold's runs at the schedule, their null statistics, check interval, overlap) -> tails."""
+
+
+def shipped_fold_fit(runs: Sequence[Checks], stats: Sequence[Mapping[str, Mapping[str, list[float]]]],
+                     interval: int, overlap: int) -> dict[str, dict[str, NullTail]]:
+    """The fit ``tools/calibrate_detector.py`` makes: the exponential tail of the pooled values."""
+    tails, _ = fit_levels(pool_statistics(stats), overlap, TAIL_QUANTILE, "CUSUM")
+    return tails
+
+
 def leave_one_run_out(series: Sequence[Checks], names: Sequence[str], interval: int, delta: int,
                       rate: float = DEFAULT_FALSE_ALARM_RATE,
-                      on_replay: Optional[Callable[[], None]] = None) -> list[HeldOutRun]:
+                      on_replay: Optional[Callable[[], None]] = None,
+                      fold_fit: FoldFit = shipped_fold_fit) -> list[HeldOutRun]:
     """Every run of ``series`` (checks recorded every ``interval`` steps over ``delta``-step
     windows, named by ``names``) against the tails of the others, at each schedule of
     :func:`schedules`. ``on_replay`` is called after each detector replay (a progress bar:
     :func:`replays_needed` calls in all). ``ValueError`` for fewer than three runs (two to fit,
     one to hold out) or when the others have too few excursions to fit a family (the message
-    names it)."""
+    names it). ``fold_fit`` fits a fold's tails (research variants of the fit pass their own)."""
     if len(series) != len(names):
         raise ValueError(f"{len(series)} runs but {len(names)} names")
     if len(series) < 3:
@@ -95,8 +108,8 @@ def leave_one_run_out(series: Sequence[Checks], names: Sequence[str], interval: 
             tick()
         for i, held in enumerate(runs):
             others = [names[j] for j in range(len(runs)) if j != i]
-            tails, _ = fit_levels(_pooled([per_run[j] for j in range(len(runs)) if j != i]), overlap,
-                                  TAIL_QUANTILE, "CUSUM")
+            train = [j for j in range(len(runs)) if j != i]
+            tails = fold_fit([runs[j] for j in train], [per_run[j] for j in train], sched_interval, overlap)
             table = TailTable(tails={overlap: tails}, source=f"healthy runs {', '.join(others)}")
             replay = replay_healthy(held, sched_interval, overlap, table, names[i], rate)
             tick()

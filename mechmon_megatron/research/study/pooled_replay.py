@@ -10,7 +10,7 @@ interval 20 with delta 100 replays as interval 100 with delta 100 (non-overlappi
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -124,10 +124,12 @@ def null_residuals(
 
 
 def fit_levels(
-    stats: Mapping[str, Mapping[str, list[float]]], overlap: int, tail_quantile: float, what: str
+    stats: Mapping[str, Mapping[str, list[float]]], overlap: int, tail_quantile: float, what: str,
+    fit: Callable[..., NullTail] = fit_null_tail,
 ) -> tuple[dict[str, dict[str, NullTail]], dict[str, Any]]:
     """Fit every family and level of ``stats`` (``null_statistics`` or ``null_residuals``), with the
-    borrowing of a data-starved test; ``what`` names the statistic in the error."""
+    borrowing of a data-starved test; ``what`` names the statistic in the error. ``fit`` is the
+    tail fit (``null_model.fit_null_tail``; research variants pass their own)."""
     tails: dict[str, dict[str, NullTail]] = {}
     log: dict[str, Any] = {}
     pooled = {level: [v for levels in stats.values() for v in levels[level]] for level in ("layer", "family")}
@@ -151,7 +153,7 @@ def fit_levels(
                 ]
             for data, note in candidates:
                 try:
-                    tail = fit_null_tail(data, tail_quantile=tail_quantile)
+                    tail = fit(data, tail_quantile=tail_quantile)
                 except ValueError:
                     continue
                 if note:
