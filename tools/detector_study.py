@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import sys
+from typing import Optional
 
 from mechmon_megatron.research.study.campaign import launch_campaign
 from mechmon_megatron.research.study.long_plan import CampaignRun, plan_campaign
@@ -31,6 +32,17 @@ def _plan(name: str, out_dir: str) -> list[CampaignRun]:
     if name == "short-window":
         return plan_short_window_campaign(write_provisional_calibration(out_dir))
     return plan_campaign()
+
+
+def _only(runs: list[CampaignRun], only: Optional[str]) -> list[CampaignRun]:
+    """The runs named by ``--only`` (all of them without it); SystemExit naming unknown ids."""
+    if not only:
+        return runs
+    wanted = {x.strip() for x in only.split(",")}
+    unknown = wanted - {r.run_id for r in runs}
+    if unknown:
+        raise SystemExit(f"--only: unknown run ids {sorted(unknown)}; choose from {[r.run_id for r in runs]}")
+    return [r for r in runs if r.run_id in wanted]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, help="Campaign directory.")
     export.add_argument("--to", required=True, help="Destination folder (e.g. docs/data/detector_study).")
     export.add_argument("--plan", choices=PLANS, default="study", help="As for run.")
+    export.add_argument("--only", default=None, help="Comma-separated run ids (default: every run that exists).")
     return p
 
 
@@ -60,20 +73,14 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     if args.command == "run":
-        runs = _plan(args.plan, args.out)
-        if args.only:
-            wanted = {x.strip() for x in args.only.split(",")}
-            unknown = wanted - {r.run_id for r in runs}
-            if unknown:
-                raise SystemExit(f"--only: unknown run ids {sorted(unknown)}; choose from {[r.run_id for r in runs]}")
-            runs = [r for r in runs if r.run_id in wanted]
+        runs = _only(_plan(args.plan, args.out), args.only)
         status = launch_campaign(runs, args.out, jobs=args.jobs, progress=not args.no_progress)
         print(json.dumps({k: v.get("state") for k, v in status.items()}, indent=1))
         return 0 if all(v.get("state") in ("done", "stopped-after-divergence") for v in status.values()) else 1
     if args.command == "export":
         from mechmon_megatron.research.study.campaign_records import export_records
 
-        paths = export_records(args.out, args.to, _plan(args.plan, args.out))
+        paths = export_records(args.out, args.to, _only(_plan(args.plan, args.out), args.only))
         print(json.dumps({"files": len(paths), "bytes": sum(os.path.getsize(p) for p in paths)}))
         return 0
     from mechmon_megatron.research.study.detector_report import analyze_campaign
