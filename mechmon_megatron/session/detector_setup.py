@@ -72,6 +72,20 @@ def detector_families(config: MechmonConfig) -> tuple[str, ...]:
 _OPTION_FLAGS = {"attn_delta2_short": "--mechmon-short-window"}
 
 
+def families_without_signal(config: MechmonConfig, shape: JobShape) -> dict[str, str]:
+    """Families this configuration could feed that no layer of the job feeds, with why: they are
+    left out of the union bound (``JobShape`` counts only the families it has), and the session
+    says so once at start-up rather than judging a silent zero."""
+    why = {
+        "attn_delta2": "no attention layer is monitored (--mechmon-monitors without attn, or none found)",
+        "attn_dw": "no attention layer is monitored" if config.full_matrix_dw else "--mechmon-no-full-matrix-dw",
+        "attn_delta2_short": "no attention layer is monitored",
+        "router_entropy": "no MoE router is monitored (a dense model, or --mechmon-monitors without router)",
+        "router_weights": "no MoE router is monitored (a dense model, or --mechmon-monitors without router)",
+    }
+    return {f: why.get(f, "no layer feeds it") for f in detector_families(config) if not shape.layers.get(f)}
+
+
 def load_detector_design(config: MechmonConfig) -> tuple[SequentialConfig, TailTable]:
     """The detector's design for this schedule and its null tails, checked at start-up: a bad
     calibration file stops the job naming the flag, before any training step; a calibration

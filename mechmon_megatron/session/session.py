@@ -34,6 +34,7 @@ from mechmon_megatron.session.detector_inputs import stream_observation
 from mechmon_megatron.session.detector_setup import (
     alert_of,
     build_detector,
+    families_without_signal,
     job_shape,
     load_detector_design,
     local_layers,
@@ -561,6 +562,10 @@ class MonitoringSession:
                 {f: (round(t["layer"]["alarm"], 2), round(t["family"]["alarm"], 2))
                  for f, t in account["thresholds"].items()},
             )
+            silent = families_without_signal(self.config, shape)
+            if silent:
+                logger.warning("[mechmon] detector: left out of the union bound, no signal in this job: %s",
+                               "; ".join(f"{f} ({why})" for f, why in silent.items()))
         return self.detector
 
     def _decide(self, iteration: int, gathered: list[Payload], failed: bool, others_errors: float,

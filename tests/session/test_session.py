@@ -366,3 +366,17 @@ def test_calibration_without_a_family_fails_at_startup(tmp_path):
     path.write_text(_json.dumps(table))
     with pytest.raises(ValueError, match="--mechmon-detector-calibration.*router_weights"):
         make_session(tmp_path, [ToyAttention(1, 0)], detector_calibration=str(path))
+
+
+def test_families_without_a_signal_are_named_once_and_left_out_of_the_union_bound(tmp_path, caplog):
+    layers = [ToyAttention(1, 0), ToyAttention(2, 1)]  # a dense model: no router
+    session = make_session(tmp_path, layers)
+    with caplog.at_level("WARNING", logger="mechmon_megatron.session.session"):
+        run(session, layers, 60)
+    session.close()
+    lines = [r.getMessage() for r in caplog.records if "left out of the union bound" in r.getMessage()]
+    assert len(lines) == 1 and "router_entropy (no MoE router is monitored" in lines[0]
+    named = [part.split(" (", 1)[0] for part in lines[0].split("in this job: ", 1)[1].split("; ")]
+    assert named == ["router_entropy", "router_weights"]
+    account = session.detector_account
+    assert set(account["layers"]) == {"attn_delta2", "attn_dw"} and account["tests"] == 2 * (2 + 1)
