@@ -20,6 +20,13 @@ leading direction as the added family (``mechmon_megatron.research.study.persist
 
     python tools/detector_design_study.py --persistence --records docs/data/short_window_study \
         --more-records docs/data/healthy_check_study
+
+``--candidates`` (issue 19): delay against false-alarm rate of those candidate families beside the
+shipped ones and the symptom rules (``mechmon_megatron.research.study.candidate_sweeps``): a table
+of median delays at zero observed healthy alarms, and with ``--plots DIR`` one PNG per fault group:
+
+    python tools/detector_design_study.py --candidates --records docs/data/short_window_study \
+        --more-records docs/data/healthy_check_study --plots docs/img/detector
 """
 
 from __future__ import annotations
@@ -54,11 +61,16 @@ def main(argv=None) -> int:
     p.add_argument("--runs", default=None,
                    help="With --short-window / --persistence: replay only these run ids (comma-separated); the "
                    "calibration runs are always loaded.")
+    p.add_argument("--candidates", action="store_true",
+                   help="Delay vs false-alarm rate of the candidate families (short window, persistence).")
+    p.add_argument("--plots", default=None, metavar="DIR", help="With --candidates: write the PNGs here.")
     args = p.parse_args(argv)
     for flag, path in [("--records", args.records)] + [("--more-records", d) for d in args.more_records]:
         if not os.path.isdir(path):
             print(f"{flag}: no such directory {path!r}", file=sys.stderr)
             return 2
+    if args.candidates:
+        return _candidates(args)
     if args.short_window or args.persistence:
         return _short_window(args)
     results = run_study(load_records(args.records), rate=args.rate)
@@ -111,6 +123,30 @@ def _short_window(args: argparse.Namespace) -> int:
             f.write("\n")
     held_out = persistence_study.HELD_OUT_SEEDS if args.persistence else HELD_OUT_SEEDS
     print(render(results, held_out_seeds=held_out))
+    return 0
+
+
+def _candidates(args: argparse.Namespace) -> int:
+    from mechmon_megatron.research.study import candidate_sweeps
+
+    records = load_records(args.records)
+    for directory in args.more_records:
+        records.update(load_records(directory))
+    try:
+        results = candidate_sweeps.candidate_sweeps(records)
+    except ValueError as exc:
+        print(f"--records {args.records}: {exc}", file=sys.stderr)
+        return 2
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=1)
+            f.write("\n")
+    if args.plots:
+        from mechmon_megatron.research.study.detector_plots import plot_delay_vs_far
+
+        for path in plot_delay_vs_far(results, args.plots, rules=candidate_sweeps.CURVES, prefix="candidates"):
+            print(f"wrote {path}", file=sys.stderr)
+    print(candidate_sweeps.markdown(results))
     return 0
 
 

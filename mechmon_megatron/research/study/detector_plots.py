@@ -27,9 +27,11 @@ def _slug(text: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in text).strip("_")
 
 
-def plot_delay_vs_far(results: Mapping[str, Any], out_dir: str) -> list[str]:
-    """One PNG per fault group: median detection delay (steps after onset; misses at the run's
-    end) against the healthy false-alarm rate, one curve per rule over its threshold sweep."""
+def plot_delay_vs_far(results: Mapping[str, Any], out_dir: str, rules: Sequence[str] = RULE_ORDER,
+                      prefix: str = "delay_vs_far") -> list[str]:
+    """One PNG per fault group (``OUT/<prefix>_<group>.png``): median detection delay (steps after
+    onset; misses at the run's end) against the healthy false-alarm rate, one curve per rule of
+    ``rules`` over its threshold sweep."""
     plt = _pyplot()
     os.makedirs(out_dir, exist_ok=True)
     runs = results["runs"]
@@ -42,7 +44,7 @@ def plot_delay_vs_far(results: Mapping[str, Any], out_dir: str) -> list[str]:
     for group, members in sorted(groups.items()):
         fig, ax = plt.subplots(figsize=(7.5, 4.8))
         cap = max(runs[m]["steps"] - (runs[m]["onset"] or 0) for m in members)
-        for rule in RULE_ORDER:
+        for rule in rules:
             sweep = results["sweeps"].get(rule)
             if sweep is None:
                 continue
@@ -70,7 +72,7 @@ def plot_delay_vs_far(results: Mapping[str, Any], out_dir: str) -> list[str]:
         ax.set_title(f"{group}: delay vs false-alarm rate ({len(members)} runs; misses plotted at {cap})", fontsize=9)
         ax.legend(fontsize=6.5, ncol=2, loc="best")
         fig.tight_layout()
-        path = os.path.join(out_dir, f"delay_vs_far_{_slug(group)}.png")
+        path = os.path.join(out_dir, f"{prefix}_{_slug(group)}.png")
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)

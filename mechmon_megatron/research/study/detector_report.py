@@ -96,18 +96,20 @@ def calibrate(
 
 # ------------------------------------------------------------------------------ sweeps
 def mechmon_sweep(
-    records: Mapping[str, CampaignRecord], table: TailTable, every: int = 1, rates: Sequence[float] = RATE_GRID
+    records: Mapping[str, CampaignRecord], table: TailTable, every: int = 1, rates: Sequence[float] = RATE_GRID,
+    families: Sequence[str] = FAMILIES,
 ) -> tuple[dict[str, RuleSweep], dict[str, Any]]:
-    """Per family: the replay at every rate (rates ascending = more sensitive last)."""
+    """Per family: the replay at every rate (rates ascending = more sensitive last). ``families``:
+    the families swept (the records' other detector streams still feed the detector)."""
     sample = next(iter(records.values())).data.checks
     overlap = max(1, math.ceil(DELTA / (INTERVAL * every)))
-    sweeps = {f: RuleSweep(f, list(rates), [], []) for f in FAMILIES}
+    sweeps = {f: RuleSweep(f, list(rates), [], []) for f in families}
     alarms_at_default: dict[str, Any] = {}
     cost = {"checks": 0, "seconds": 0.0}
     for rate in rates:
         thresholds, _ = thresholds_at_rate(sample, INTERVAL * every, overlap, rate, table)
-        episodes = {f: 0 for f in FAMILIES}
-        firsts: dict[str, dict[str, Optional[int]]] = {f: {} for f in FAMILIES}
+        episodes = {f: 0 for f in families}
+        firsts: dict[str, dict[str, Optional[int]]] = {f: {} for f in families}
         for run_id, record in records.items():
             checks = subsample(record.data.checks, INTERVAL, every)
             start = time.perf_counter()
@@ -118,8 +120,9 @@ def mechmon_sweep(
             cost["checks"] += len(checks)
             if record.healthy:
                 for alarm in replay.alarms:
-                    episodes[alarm.family] += 1
-            for f in FAMILIES:
+                    if alarm.family in episodes:
+                        episodes[alarm.family] += 1
+            for f in families:
                 firsts[f][run_id] = replay.first_alarm[f]
             if rate == DEFAULT_FALSE_ALARM_RATE:
                 alarms_at_default[run_id] = [
@@ -136,7 +139,7 @@ def mechmon_sweep(
                     }
                     for a in replay.alarms
                 ]
-        for f in FAMILIES:
+        for f in families:
             sweeps[f].healthy_episodes.append(episodes[f])
             sweeps[f].first_alarm.append(firsts[f])
     return sweeps, {
