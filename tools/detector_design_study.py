@@ -74,10 +74,7 @@ def main(argv=None) -> int:
     if args.short_window or args.persistence:
         return _short_window(args)
     results = run_study(load_records(args.records), rate=args.rate)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=1)
-            f.write("\n")
+    _write_json(args.out, results)
     print(markdown(results))
     return 0
 
@@ -100,8 +97,7 @@ def _short_window(args: argparse.Namespace) -> int:
         records = load_campaign(args.records, plan)
     else:
         records = load_records(args.records)
-    for directory in args.more_records:
-        records.update(load_records(directory))
+    records = _with_more_records(records, args.more_records)
     if args.runs:
         wanted = [r for r in args.runs.split(",") if r]
         unknown = [r for r in wanted if r not in records]
@@ -117,10 +113,7 @@ def _short_window(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"--records {args.records}: {exc}", file=sys.stderr)
         return 2
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=1)
-            f.write("\n")
+    _write_json(args.out, results)
     held_out = persistence_study.HELD_OUT_SEEDS if args.persistence else HELD_OUT_SEEDS
     print(render(results, held_out_seeds=held_out))
     return 0
@@ -129,18 +122,13 @@ def _short_window(args: argparse.Namespace) -> int:
 def _candidates(args: argparse.Namespace) -> int:
     from mechmon_megatron.research.study import candidate_sweeps
 
-    records = load_records(args.records)
-    for directory in args.more_records:
-        records.update(load_records(directory))
+    records = _with_more_records(load_records(args.records), args.more_records)
     try:
         results = candidate_sweeps.candidate_sweeps(records)
     except ValueError as exc:
         print(f"--records {args.records}: {exc}", file=sys.stderr)
         return 2
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=1)
-            f.write("\n")
+    _write_json(args.out, results)
     if args.plots:
         from mechmon_megatron.research.study.detector_plots import plot_delay_vs_far
 
@@ -148,6 +136,20 @@ def _candidates(args: argparse.Namespace) -> int:
             print(f"wrote {path}", file=sys.stderr)
     print(candidate_sweeps.markdown(results))
     return 0
+
+
+def _with_more_records(records: dict, more: list[str]) -> dict:
+    """``records`` with the exported records of every folder of ``--more-records`` added."""
+    for directory in more:
+        records.update(load_records(directory))
+    return records
+
+
+def _write_json(path: str | None, results: dict) -> None:
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=1)
+            f.write("\n")
 
 
 if __name__ == "__main__":

@@ -4,12 +4,10 @@ delay at zero healthy alarms against brute force, and the plot files."""
 
 from __future__ import annotations
 
-import random
 import statistics
 
 import pytest
 
-from mechmon_megatron.research.study.analysis import RunData
 from mechmon_megatron.research.study.campaign_data import CampaignRecord
 from mechmon_megatron.research.study.candidate_sweeps import (
     CURVES,
@@ -19,42 +17,16 @@ from mechmon_megatron.research.study.candidate_sweeps import (
     median_delay_at_zero,
 )
 from mechmon_megatron.research.study.detector_report import mechmon_sweep
-from mechmon_megatron.research.study.long_plan import CampaignRun
 from mechmon_megatron.research.study.pooled_replay import CORE_FAMILIES
 from mechmon_megatron.research.study.short_window_study import SHORT, calibrate_short
-from tests.research.study.synthetic import metrics_rows
+from tests.research.study.synthetic import campaign_record, detector_checks
 
 INTERVAL = 20
 
 
-def _checks(steps: int, seed: int, onset=None) -> list[dict]:
-    rng = random.Random(seed)
-    rows = []
-    for t in range(INTERVAL, steps + 1, INTERVAL):
-        faulty = onset is not None and t >= onset
-        sc: dict[str, float] = {}
-        for layer in (1, 2):
-            hit = faulty and layer == 1
-            for head in range(2):
-                level = 1.4 if hit else 2.0
-                sc[f"mechmon/attn/delta2_entropy/layer_{layer}/head_{head}"] = level + rng.gauss(0, 0.02)
-                sc[f"mechmon/attn/delta2_entropy_short/layer_{layer}/head_{head}"] = 1.5 + rng.gauss(0, 0.03)
-                sc[f"mechmon/attn/delta2_short_persistence/layer_{layer}/head_{head}"] = (
-                    (0.8 if hit else 0.2) + abs(rng.gauss(0, 0.05)))
-            sc[f"mechmon/attn/dw_entropy/layer_{layer}"] = 3.0 + rng.gauss(0, 0.02)
-            sc[f"mechmon/attn/dwk_entropy/layer_{layer}"] = 3.0 + rng.gauss(0, 0.02)
-            sc[f"mechmon/router/token_entropy/layer_{layer}"] = 2.0 + rng.gauss(0, 0.02)
-            sc[f"mechmon/router/weight_similarity/layer_{layer}"] = 0.01 + rng.gauss(0, 0.002)
-        rows.append({"step": t, "scalars": sc})
-    return rows
-
-
 def _record(run_id: str, seed: int, steps: int, onset=None) -> CampaignRecord:
-    kind = "healthy" if onset is None else "fault"
-    run = CampaignRun(run_id=run_id, kind=kind, scenario="clean" if onset is None else "fa", seed=seed,
-                      train_iters=steps, flags=(), fault_onset=onset, fa_strength=None if onset is None else 32.0)
-    data = RunData.from_rows(metrics_rows(steps, seed=seed), _checks(steps, seed, onset))
-    return CampaignRecord(run=run, data=data, status={"state": "done"})
+    checks = detector_checks(steps, seed, INTERVAL, long_drop_at=onset, persistence=True, persistence_rise_at=onset)
+    return campaign_record(run_id, seed, steps, checks, onset)
 
 
 @pytest.fixture(scope="module")

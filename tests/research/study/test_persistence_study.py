@@ -17,9 +17,7 @@ from mechmon_megatron.detect.pooled_cusum import (
     default_sequential_config,
 )
 from mechmon_megatron.detect.robust_trend import RobustTrend, TrendConfig
-from mechmon_megatron.research.study.analysis import RunData
 from mechmon_megatron.research.study.campaign_data import CampaignRecord
-from mechmon_megatron.research.study.long_plan import CampaignRun
 from mechmon_megatron.research.study.persistence_study import (
     markdown,
     persistence_as_short_family,
@@ -27,7 +25,7 @@ from mechmon_megatron.research.study.persistence_study import (
     run_persistence_study,
 )
 from mechmon_megatron.research.study.short_window_study import SHORT
-from tests.research.study.synthetic import metrics_rows
+from tests.research.study.synthetic import campaign_record, detector_checks
 
 INTERVAL, LAYERS, HEADS = 20, 2, 2
 
@@ -76,40 +74,17 @@ def test_negated_streams_as_a_drop_family_equal_the_same_streams_as_a_rise_famil
     assert compared > 100 and alarms > 0  # past the warm-up; the rise in layer 1 is caught, by both
 
 
-def _checks(steps: int, seed: int, rise_at=None) -> list[dict]:
-    rng = random.Random(seed)
-    rows = []
-    for t in range(INTERVAL, steps + 1, INTERVAL):
-        sc: dict[str, float] = {}
-        for layer in range(1, LAYERS + 1):
-            up = 0.5 if rise_at is not None and t >= rise_at and layer == 1 else 0.0
-            for head in range(HEADS):
-                sc[f"mechmon/attn/delta2_entropy/layer_{layer}/head_{head}"] = 2.0 + rng.gauss(0, 0.02)
-                sc[f"mechmon/attn/delta2_entropy_short/layer_{layer}/head_{head}"] = 1.5 + rng.gauss(0, 0.03)
-                if t > INTERVAL:  # the first check has no previous window
-                    sc[f"mechmon/attn/delta2_short_persistence/layer_{layer}/head_{head}"] = (
-                        min(1.0, 0.2 + up + abs(rng.gauss(0, 0.05))))
-            sc[f"mechmon/attn/dw_entropy/layer_{layer}"] = 3.0 + rng.gauss(0, 0.02)
-            sc[f"mechmon/attn/dwk_entropy/layer_{layer}"] = 3.0 + rng.gauss(0, 0.02)
-            sc[f"mechmon/router/token_entropy/layer_{layer}"] = 2.0 + rng.gauss(0, 0.02)
-            sc[f"mechmon/router/weight_similarity/layer_{layer}"] = 0.01 + rng.gauss(0, 0.002)
-        rows.append({"step": t, "scalars": sc})
-    return rows
-
-
-def _record(run_id: str, kind: str, seed: int, steps: int, onset=None, rise_at=None) -> CampaignRecord:
-    run = CampaignRun(run_id=run_id, kind=kind, scenario="clean" if kind == "healthy" else "fa", seed=seed,
-                      train_iters=steps, flags=(), fault_onset=onset, fa_strength=None if onset is None else 32.0)
-    data = RunData.from_rows(metrics_rows(steps, seed=seed), _checks(steps, seed, rise_at))
-    return CampaignRecord(run=run, data=data, status={"state": "done"})
+def _record(run_id: str, seed: int, steps: int, onset=None) -> CampaignRecord:
+    checks = detector_checks(steps, seed, INTERVAL, persistence=True, persistence_rise_at=onset)
+    return campaign_record(run_id, seed, steps, checks, onset)
 
 
 @pytest.fixture(scope="module")
 def records() -> dict[str, CampaignRecord]:
     return {
-        "healthy-cosine-seed1": _record("healthy-cosine-seed1", "healthy", 1, 4000),
-        "healthy-cosine-seed2": _record("healthy-cosine-seed2", "healthy", 2, 4000),
-        "fa-s32-on1000-seed1": _record("fa-s32-on1000-seed1", "fault", 11, 1600, onset=1000, rise_at=1000),
+        "healthy-cosine-seed1": _record("healthy-cosine-seed1", 1, 4000),
+        "healthy-cosine-seed2": _record("healthy-cosine-seed2", 2, 4000),
+        "fa-s32-on1000-seed1": _record("fa-s32-on1000-seed1", 11, 1600, onset=1000),
     }
 
 

@@ -5,14 +5,11 @@ family alone, the earliest of them, and the long design blind to the short strea
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 
 from mechmon_megatron.detect.pooled_cusum import PooledCusumDetector, default_sequential_config
-from mechmon_megatron.research.study.analysis import RunData
 from mechmon_megatron.research.study.campaign_data import CampaignRecord
-from mechmon_megatron.research.study.long_plan import CampaignRun
 from mechmon_megatron.research.study.pooled_replay import thresholds_at_rate
 from mechmon_megatron.research.study.short_window_study import (
     CHOICE_RUNS,
@@ -24,37 +21,16 @@ from mechmon_megatron.research.study.short_window_study import (
     run_short_window_study,
 )
 from mechmon_megatron.session.detector_inputs import observations_from_scalars
-from tests.research.study.synthetic import metrics_rows
+from tests.research.study.synthetic import campaign_record, detector_checks
 
 INTERVAL, LAYERS, HEADS, RATE = 20, 2, 2, 0.01
 
 
-def _checks(steps: int, seed: int, short_drop_at=None, long_drop_at=None, short=True) -> list[dict]:
-    rng = random.Random(seed)
-    rows = []
-    for t in range(INTERVAL, steps + 1, INTERVAL):
-        sc: dict[str, float] = {}
-        for layer in range(1, LAYERS + 1):
-            long_f = 0.7 if long_drop_at is not None and t >= long_drop_at and layer == 1 else 1.0
-            short_f = 0.7 if short_drop_at is not None and t >= short_drop_at and layer == 1 else 1.0
-            for head in range(HEADS):
-                sc[f"mechmon/attn/delta2_entropy/layer_{layer}/head_{head}"] = 2.0 * long_f + rng.gauss(0, 0.02)
-                if short:
-                    sc[f"mechmon/attn/delta2_entropy_short/layer_{layer}/head_{head}"] = (
-                        1.5 * short_f + rng.gauss(0, 0.03))
-            sc[f"mechmon/attn/dw_entropy/layer_{layer}"] = 3.0 + rng.gauss(0, 0.02)
-            sc[f"mechmon/attn/dwk_entropy/layer_{layer}"] = 3.0 + rng.gauss(0, 0.02)
-            sc[f"mechmon/router/token_entropy/layer_{layer}"] = 2.0 + rng.gauss(0, 0.02)
-            sc[f"mechmon/router/weight_similarity/layer_{layer}"] = 0.01 + rng.gauss(0, 0.002)
-        rows.append({"step": t, "scalars": sc})
-    return rows
-
-
-def _record(run_id: str, kind: str, seed: int, steps: int, onset=None, **drops) -> CampaignRecord:
-    run = CampaignRun(run_id=run_id, kind=kind, scenario="clean" if kind == "healthy" else "fa", seed=seed,
-                      train_iters=steps, flags=(), fault_onset=onset, fa_strength=None if onset is None else 32.0)
-    data = RunData.from_rows(metrics_rows(steps, seed=seed), _checks(steps, seed, **drops))
-    return CampaignRecord(run=run, data=data, status={"state": "done"})
+def _record(run_id: str, kind: str, seed: int, steps: int, onset=None, short_drop_at=None,
+            long_drop_at=None) -> CampaignRecord:
+    assert (kind == "healthy") == (onset is None)
+    return campaign_record(run_id, seed, steps, detector_checks(steps, seed, INTERVAL, long_drop_at=long_drop_at,
+                                                                short_drop_at=short_drop_at), onset)
 
 
 @pytest.fixture(scope="module")
@@ -140,10 +116,8 @@ def test_only_families_drops_exactly_the_other_detector_streams(records):
 
 
 def test_calibration_without_the_short_streams_is_refused():
-    plain = {r: CampaignRecord(
-        run=CampaignRun(run_id=r, kind="healthy", scenario="clean", seed=i, train_iters=400, flags=()),
-        data=RunData.from_rows(metrics_rows(400, seed=i), _checks(400, i, short=False)), status={"state": "done"})
-        for i, r in enumerate(("healthy-cosine-seed1", "healthy-cosine-seed2"))}
+    plain = {r: campaign_record(r, i, 400, detector_checks(400, i, INTERVAL, short=False))
+             for i, r in enumerate(("healthy-cosine-seed1", "healthy-cosine-seed2"))}
     with pytest.raises(ValueError, match="no attn_delta2_short streams"):
         calibrate_short(plain)
     with pytest.raises(ValueError, match="not in the records"):
