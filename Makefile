@@ -45,7 +45,7 @@ test-current: $(STAMP_CURRENT)
 NVRX := $(VENV)/nvrx
 NVRX_STAMP := $(NVRX)/.mechmon-installed
 $(NVRX_STAMP): $(STAMP) tools/requirements/nvrx.txt
-	$(PY) -m pip install -q --no-deps --target $(NVRX) -r tools/requirements/nvrx.txt
+	$(PY) -m pip install -q --upgrade --no-deps --target $(NVRX) -r tools/requirements/nvrx.txt
 	touch $@
 
 # Opt-in slow tests (long fault-study runs, end-to-end Megatron-LM, SLURM): see tests/README.md.
