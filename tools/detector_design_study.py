@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     p.add_argument("--persistence", action="store_true",
                    help="Like --short-window, with the persistence of Delta2's leading direction as the added family.")
     p.add_argument("--more-records", action="append", default=[], metavar="DIR",
-                   help="With --short-window / --persistence: more exported records (repeatable).")
+                   help="With --short-window / --persistence / --candidates: more exported records (repeatable).")
     p.add_argument("--runs", default=None,
                    help="With --short-window / --persistence: replay only these run ids (comma-separated); the "
                    "calibration runs are always loaded.")

@@ -23,7 +23,13 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE, NullTail, TailTable, _chi2_quantile
+from mechmon_megatron.detect.null_model import (
+    DEFAULT_FALSE_ALARM_RATE,
+    NullTail,
+    TailTable,
+    _chi2_quantile,
+    fit_null_tail,
+)
 from mechmon_megatron.detect.pooled_cusum import FamilyThresholds, Thresholds, default_sequential_config
 from mechmon_megatron.research.study.calibration_check import (
     TAIL_QUANTILE,
@@ -59,8 +65,6 @@ def fit_declustered_tail(values: Iterable[float], tail_quantile: float = 0.95, c
                          min_exceedances: int = 20, hard_min_exceedances: int = 5) -> NullTail:
     """``fit_null_tail`` with theta's lower bound from chi2(2 k_eff), k_eff = :func:`clusters_above`
     of ``values`` in their recorded order (one test's series after another)."""
-    from mechmon_megatron.detect.null_model import fit_null_tail
-
     ordered = [float(v) for v in values]
     tail = fit_null_tail(ordered, tail_quantile=tail_quantile, confidence=confidence,
                          min_exceedances=min_exceedances, hard_min_exceedances=hard_min_exceedances)
