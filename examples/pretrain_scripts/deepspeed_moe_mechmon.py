@@ -185,6 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=2e-3, help="Peak learning rate.")
     p.add_argument("--min-lr", type=float, default=None, help="Final LR of the cosine decay (default lr/10).")
     p.add_argument("--lr-warmup-iters", type=int, default=100)
+    p.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
+                   dest="override_opt_param_scheduler",
+                   help="On --load, the peak LR comes from --lr, not from the checkpoint's LR scheduler (whose "
+                        "step count is kept), as Megatron-LM's flag; mechmon-supervise adds it with every LR "
+                        "remedy.")
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--global-batch-size", type=int, default=4)
     p.add_argument(
@@ -255,6 +260,30 @@ def lr_lambda(args: argparse.Namespace):
     return factor
 
 
+def reconcile_lr_schedule(args: argparse.Namespace, scheduler) -> str | None:
+    """After ``engine.load_checkpoint``: the line that says whose LR schedule is in force, or None
+    when the flags and the checkpoint agree.
+
+    DeepSpeed restores the scheduler's state (``LambdaLR``: ``base_lrs``, the peak LR, and
+    ``last_epoch``), so the checkpoint's peak LR wins over ``--lr``; ``load_lr_scheduler_states=False``
+    would restart the schedule at step 0. With ``--override-opt_param-scheduler`` the peak comes from
+    ``--lr`` and the step from the checkpoint (the decay floor ``--min-lr`` is read by the lambda
+    itself, so it always follows the flags)."""
+    saved = list(scheduler.base_lrs)
+    if args.override_opt_param_scheduler:
+        scheduler.base_lrs = [args.lr for _ in saved]
+        for group, factor in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
+            group["initial_lr"] = args.lr
+            group["lr"] = args.lr * factor(scheduler.last_epoch)
+        scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+        return (f"--override-opt_param-scheduler: peak LR from --lr {args.lr:g}, not the checkpoint's "
+                f"{saved[0]:g}; LR now {scheduler._last_lr[0]:.6e}")
+    if any(lr != args.lr for lr in saved):
+        return (f"the checkpoint's peak LR {saved[0]:g} is in force, not --lr {args.lr:g}: add "
+                "--override-opt_param-scheduler to use the flag")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from mechmon_megatron.adapters.deepspeed import parse_section
@@ -303,9 +332,12 @@ def main(argv: list[str] | None = None) -> int:
         # restores the mechmon detector state too
         load_path, loaded = engine.load_checkpoint(args.load, tag=args.ckpt_tag)
         progress.update((loaded or {}).get(PROGRESS_KEY, {}))
+        schedule_note = reconcile_lr_schedule(args, scheduler)
         if rank == 0:
             print(f"resumed from {load_path} at step {engine.global_steps}; {PROGRESS_KEY} {json.dumps(progress)}",
                   flush=True)
+            if schedule_note:
+                print(schedule_note, flush=True)
 
     micro = engine.train_micro_batch_size_per_gpu()
     start = time.perf_counter()

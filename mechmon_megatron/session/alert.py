@@ -8,6 +8,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 ALERT_FILENAME = "mechmon_alert.json"
+DETECTOR_FAMILIES = ("attn_delta2", "attn_dw", "attn_delta2_short", "router_entropy", "router_weights")
+"""The detector's families (``detect.pooled_cusum.FAMILY_DIRECTIONS``, ``session.records.Family``;
+a test keeps the three equal), spelled here for the standard-library-only supervisor."""
+ALERT_FAMILIES = (*DETECTOR_FAMILIES, "nonfinite", "drill")
+"""Every ``family`` an alert can carry: a detector family, a non-finite monitor value, a drill."""
 
 
 @dataclass(kw_only=True)

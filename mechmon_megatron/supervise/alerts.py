@@ -43,8 +43,14 @@ class AlertInfo:
 
 
 def _candidates(save: str) -> list[str]:
+    """The alert in ``save`` and in each folder directly under it, finished checkpoint or not: an
+    old alert in a folder that was not yet a finished checkpoint before the launch must still be
+    seen as old after it."""
     paths = [os.path.join(save, ALERT_FILENAME)]
-    paths += [os.path.join(c.path, ALERT_FILENAME) for c in list_checkpoints(save)]
+    try:
+        paths += [os.path.join(entry.path, ALERT_FILENAME) for entry in os.scandir(save) if entry.is_dir()]
+    except OSError:
+        pass
     return [p for p in paths if os.path.isfile(p)]
 
 

@@ -1,6 +1,8 @@
 """Find the checkpoints under a ``--save`` folder and pick the one to roll back to.
 
-Two layouts, read only (the supervisor never writes, renames or deletes a checkpoint):
+Two layouts. The supervisor never writes or deletes a checkpoint; the one thing it moves is the
+abort checkpoint, aside into ``SAVE/mechmon_aborted/launch-N/`` before a relaunch could overwrite
+it (:func:`keep_aside`):
 
 * Megatron (Megatron-LM, megatron-core's own loop and the example trainer): ``iter_0000012/``
   folders and ``latest_checkpointed_iteration.txt`` (the last complete save; ``release`` is
@@ -35,6 +37,11 @@ class Checkpoint:
     name: str
     """``iter_0000012`` or the DeepSpeed tag."""
     layout: Literal["megatron", "deepspeed"]
+
+
+ABORTED_DIR = "mechmon_aborted"
+"""Under ``--save``: the abort checkpoints a relaunch would overwrite, ``launch-N/<name>/``, each with
+its ``mechmon_alert.json``. Not a checkpoint folder of either layout, so never a rollback point."""
 
 
 @dataclass(frozen=True)
@@ -140,3 +147,31 @@ def folder_listing(save: str) -> dict[str, list[str]]:
             files += [os.path.relpath(os.path.join(root, n), ckpt.path) for n in names]
         listing[ckpt.name] = sorted(files)
     return listing
+
+
+def fingerprint(ckpt: Checkpoint) -> int:
+    """The newest modification time (ns) of the checkpoint folder and its top-level entries: a
+    save that rewrites the folder (same name, new files) changes it."""
+    times = [os.stat(ckpt.path).st_mtime_ns]
+    for entry in os.scandir(ckpt.path):
+        times.append(entry.stat(follow_symlinks=False).st_mtime_ns)
+    return max(times)
+
+
+def fingerprints(save: str) -> dict[str, int]:
+    """Every finished checkpoint under ``save`` -> its :func:`fingerprint` (taken before the first
+    launch: what the folder held before this run)."""
+    return {c.path: fingerprint(c) for c in list_checkpoints(save)}
+
+
+def keep_aside(save: str, folder: str, launch: int) -> str:
+    """Move ``folder`` (the abort checkpoint, or the alert file when the alert lies in ``save``
+    itself) to ``save/mechmon_aborted/launch-<launch>/``; returns the new path. One rename on
+    the same file system: nothing is copied or deleted. ``OSError`` when it cannot be moved."""
+    target_dir = os.path.join(save, ABORTED_DIR, f"launch-{launch}")
+    os.makedirs(target_dir, exist_ok=True)
+    target = os.path.join(target_dir, os.path.basename(os.path.normpath(folder)))
+    if os.path.exists(target):
+        raise FileExistsError(f"{target} exists already")
+    os.rename(folder, target)
+    return target

@@ -25,8 +25,9 @@ from mechmon_megatron.supervise.command import CommandError, LaunchCommand, flag
 from mechmon_megatron.supervise.host import HostError, HostFlags, read_host_flags
 from mechmon_megatron.supervise.loop import Supervisor, SupervisorConfig
 from mechmon_megatron.supervise.notify import Notifier
-from mechmon_megatron.supervise.policy import PolicyError, load_policy, resolve_policy
+from mechmon_megatron.supervise.policy import PolicyError, ResolvedPolicy, load_policy, resolve_policy
 from mechmon_megatron.supervise.records import RecoveryLog, RecoveryRecord
+from mechmon_megatron.supervise.remedy import SCHEDULE_OVERRIDE, is_schedule_flag
 
 PROG = "mechmon-supervise"
 
@@ -115,6 +116,33 @@ def _retention_notice(host_args: Sequence[str], save_interval: int) -> Optional[
     return None
 
 
+def schedule_notices(policy: ResolvedPolicy, host: HostFlags) -> list[str]:
+    """A line for each remedy that changes the LR schedule on a host without the override switch:
+    after a rollback to a checkpoint, that checkpoint's schedule would win over the new flags."""
+    if host.has(SCHEDULE_OVERRIDE):
+        return []
+    notices = []
+    for list_name, chosen in policy.lists.items():
+        for item in chosen:
+            touched = [f for f in item.edit.flags() if is_schedule_flag(f)]
+            if touched:
+                notices.append(f"remedy {list_name}/{item.remedy.name} changes {', '.join(touched)}, and the host has "
+                               f"no {SCHEDULE_OVERRIDE}: after a rollback to a checkpoint its saved LR schedule may "
+                               "win (the relaunch from the command's own start is unaffected)")
+    return notices
+
+
+def _save_folder_problem(save: str) -> Optional[str]:
+    """Why ``save`` cannot be the checkpoint folder (a file, or not creatable), or None. Creates it."""
+    if os.path.exists(save) and not os.path.isdir(save):
+        return f"--save {save} is a file, not a folder: the checkpoints, the alert and the records live in --save"
+    try:
+        os.makedirs(save, exist_ok=True)
+    except OSError as exc:
+        return f"--save {save} cannot be created ({exc.strerror or exc})"
+    return None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     own, rest = _split(sys.argv[1:] if argv is None else argv)
@@ -139,6 +167,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not save:
         return _fail("the command has no --save: the supervisor finds checkpoints and the alert there")
     save = os.path.abspath(save)
+    problem = _save_folder_problem(save)
+    if problem:
+        return _fail(problem)
     try:
         policy = load_policy(args.policy)
         host: HostFlags = read_host_flags(command.help_argv)
@@ -147,7 +178,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _fail(str(exc), save, rest)
     if args.select_flag and not args.select_flag.startswith("--"):
         args.select_flag = "--" + args.select_flag
-    for notice in [*reachability_notices(command.host_args), *resolved.notices]:
+    for notice in [*reachability_notices(command.host_args), *resolved.notices, *schedule_notices(resolved, host)]:
         print(f"[{PROG}] {notice}", flush=True)
     if args.select_flag and not host.has(args.select_flag):
         print(f"[{PROG}] the host has no {args.select_flag}: a rollback can only resume its latest checkpoint",

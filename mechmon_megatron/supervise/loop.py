@@ -13,6 +13,9 @@ from mechmon_megatron.supervise.alerts import AlertError, AlertInfo, alert_files
 from mechmon_megatron.supervise.checkpoints import (
     Checkpoint,
     Selection,
+    fingerprint,
+    fingerprints,
+    keep_aside,
     latest_checkpoint,
     list_checkpoints,
     select_rollback,
@@ -22,7 +25,7 @@ from mechmon_megatron.supervise.host import HostFlags
 from mechmon_megatron.supervise.notify import Notifier
 from mechmon_megatron.supervise.policy import ResolvedPolicy
 from mechmon_megatron.supervise.records import RecoveryLog, RecoveryRecord
-from mechmon_megatron.supervise.remedy import apply_edit, diff_flags, select_checkpoint_flags
+from mechmon_megatron.supervise.remedy import apply_edit, diff_flags, let_flags_set_schedule, select_checkpoint_flags
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +71,9 @@ class Supervisor:
     _resumed: Optional[Checkpoint] = None
     """What the first launch resumed without a selection flag: the latest checkpoint in its
     ``--load`` folder just before it started (None: it started fresh, or chose one by flag)."""
+    _before: dict[str, int] = field(default_factory=dict)
+    """The checkpoints ``--save`` held before the first launch -> their fingerprints: another run's
+    (or this job's older history), never a rollback point unless this run rewrote them."""
 
     # ------------------------------------------------------------------ process
     def _forward(self, signum: int, _frame) -> None:
@@ -111,6 +117,36 @@ class Supervisor:
         chosen = flag_values(self._initial, self.config.select_flag) if self.config.select_flag else None
         if load and not chosen:
             self._resumed = latest_checkpoint(load[0])
+        self._before = fingerprints(self.config.save)
+        others = [c.name for c in list_checkpoints(self.config.save) if not self._is_own_start(c)]
+        if others:
+            names = ", ".join(others)
+            print(f"[mechmon-supervise] --save {self.config.save} already holds {names}: not this run's, never a "
+                  "rollback point (the command's own --load start excepted)", flush=True)
+
+    def _this_runs(self, ckpt: Checkpoint) -> bool:
+        """Saved by this run (absent before the first launch, or rewritten since), or the command's
+        own start in ``--save`` (what its ``--load`` resumed, or named by the selection flag)."""
+        before = self._before.get(ckpt.path)
+        return before is None or before != fingerprint(ckpt) or self._is_own_start(ckpt)
+
+    def _is_own_start(self, ckpt: Checkpoint) -> bool:
+        if self._resumed is not None:
+            return os.path.realpath(self._resumed.path) == os.path.realpath(ckpt.path)
+        initial = self._initial or []
+        load = flag_values(initial, "--load")
+        chosen = flag_values(initial, self.config.select_flag) if self.config.select_flag else None
+        if not load or not chosen or os.path.realpath(load[0]) != os.path.realpath(self.config.save):
+            return False
+        return chosen[0] in (ckpt.name, str(ckpt.iteration))
+
+    def _keep_abort_checkpoint(self, alert: AlertInfo) -> dict:
+        """Move the alarm's checkpoint (with its alert) aside before the relaunch can overwrite it."""
+        folder = os.path.dirname(os.path.abspath(alert.path))
+        if os.path.realpath(folder) == os.path.realpath(self.config.save):
+            folder = alert.path  # no checkpoint folder: keep the alert file itself
+        kept = keep_aside(self.config.save, folder, self.launches)
+        return {"from": folder, "to": kept, "iteration": alert.iteration}
 
     def _start_iteration(self) -> int:
         """Iterations done at the first launch's own start (its selection flag with --load, or the
@@ -211,7 +247,9 @@ class Supervisor:
         limit = alert.change_point
         if again and episode.point is not None:
             limit = min(limit, episode.point - 1)
-        checkpoints = list_checkpoints(self.config.save)
+        found = list_checkpoints(self.config.save)
+        checkpoints = [c for c in found if self._this_runs(c)]
+        foreign = [c.name for c in found if not self._this_runs(c) and c.iteration < alert.iteration]
         selection = select_rollback(checkpoints, limit, alert.iteration)
         no_older = not any(c.iteration <= limit for c in checkpoints)
         if no_older and again and episode.point is not None:
@@ -244,6 +282,9 @@ class Supervisor:
             return self._stop(f"{alert.family} alarm at iteration {alert.iteration}: the remaining {list_name} "
                               f"remedies change no flag of the command ({'; '.join(applied.notes)})", code, alert=info)
         chosen = remedies[index]
+        schedule_args, schedule_note = let_flags_set_schedule(applied.args, [*applied.added, *applied.removed],
+                                                             self.host)
+        applied.args = schedule_args
         wanted = self.config.select_flag
         select_flag = wanted if (wanted and self.host.has(wanted)) else None
         ckpt = selection.checkpoint
@@ -262,6 +303,11 @@ class Supervisor:
             value = str(ckpt.iteration) if ckpt.layout == "megatron" else ckpt.name
             args = select_checkpoint_flags(applied.args, self.config.save, select_flag, value)
             where = {"name": ckpt.name, "iteration": ckpt.iteration, "path": ckpt.path, "layout": ckpt.layout}
+        try:
+            kept = self._keep_abort_checkpoint(alert)
+        except OSError as exc:
+            return self._stop(f"cannot keep the abort checkpoint of iteration {alert.iteration} aside ({exc}): not "
+                              "relaunched, since the relaunch could overwrite it", code, alert=info, why=selection.why)
         self.command = self.command.with_host_args(args)
         self.restarts += 1
         self._episode = _Episode(list_name=list_name, index=index, point=start_iteration)
@@ -270,9 +316,12 @@ class Supervisor:
             action="relaunch", launch=self.launches, exit_code=code, restarts=self.restarts, alert=info,
             reason=(f"{alert.family} alarm at iteration {alert.iteration} (change point {alert.change_point}); "
                     f"remedy {index + 1}/{len(remedies)} of {list_name}"),
-            checkpoint=where,
+            checkpoint=where, aborted=kept,
             after_change_point=selection.after_change_point, why=selection.why, remedy=chosen.remedy.name,
             flags_removed=removed, flags_added=added,
-            notes=[*passed, *applied.notes, *([start_note] if start_note else [])],
+            notes=[*passed, *applied.notes, *([schedule_note] if schedule_note else []),
+                   *([start_note] if start_note else []),
+                   *([f"left alone, not this run's: {', '.join(foreign)} (in --save before the first launch)"]
+                     if foreign else [])],
             command=list(self.command.argv)))
         return None

@@ -19,10 +19,12 @@ used. An edit can ``set`` flags (``true``: a bare switch; a list: several values
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from mechmon_megatron.session.alert import ALERT_FAMILIES
 from mechmon_megatron.supervise.host import HostFlags
 
 DEFAULT_POLICY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_policy.json")
@@ -104,6 +106,21 @@ def _flag(name: object, where: str) -> str:
     return name
 
 
+def _number(flag: str, value: object, where: str, key: str, positive: bool) -> float:
+    """A finite number (``positive``: > 0), else ``PolicyError`` naming the flag: a NaN or a negative
+    factor would reach the host only at the relaunch (e.g. "Invalid learning rate: nan")."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise PolicyError(f"{where}: {key}.{flag} must be a number, got {value!r}")
+    try:
+        number = float(value)
+    except ValueError:
+        raise PolicyError(f"{where}: {key}.{flag} must be a number, got {value!r}") from None
+    if not math.isfinite(number) or (positive and number <= 0):
+        need = "a finite number > 0" if positive else "a finite number"
+        raise PolicyError(f"{where}: {key}.{flag} must be {need}, got {value!r}")
+    return number
+
+
 def _edit(body: dict, where: str) -> Edit:
     unknown = set(body) - {"set", "remove", "scale", "at_least", "host"}
     if unknown:
@@ -112,8 +129,10 @@ def _edit(body: dict, where: str) -> Edit:
         return Edit(
             set={_flag(k, where): _values(k, v, where) for k, v in (body.get("set") or {}).items()},
             remove=tuple(_flag(k, where) for k in body.get("remove") or ()),
-            scale={_flag(k, where): float(v) for k, v in (body.get("scale") or {}).items()},
-            at_least={_flag(k, where): float(v) for k, v in (body.get("at_least") or {}).items()},
+            scale={_flag(k, where): _number(k, v, where, "scale", positive=True)
+                   for k, v in (body.get("scale") or {}).items()},
+            at_least={_flag(k, where): _number(k, v, where, "at_least", positive=False)
+                      for k, v in (body.get("at_least") or {}).items()},
         )
     except (TypeError, ValueError, AttributeError) as exc:
         if isinstance(exc, PolicyError):
@@ -148,6 +167,9 @@ def load_policy(spec: str) -> Policy:
                                  alternatives=tuple(_edit(a, f"{where}.alternatives") for a in item["alternatives"])))
         remedies[list_name] = tuple(parsed)
     for family, list_name in families.items():
+        if family not in ALERT_FAMILIES:
+            raise PolicyError(f"{path}: families names {family!r}, which no alert carries (the alert families: "
+                              f"{', '.join(ALERT_FAMILIES)})")
         if list_name is not None and list_name not in remedies:
             raise PolicyError(f"{path}: families.{family} names {list_name!r}, which is not in remedies")
     return Policy(source="default" if is_default else path, is_default=is_default, families=dict(families),

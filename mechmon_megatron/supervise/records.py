@@ -3,7 +3,8 @@
 Keys of every record: ``action`` (``relaunch`` or ``stop``), ``time`` (UTC, ISO 8601), ``reason``
 (one sentence), ``launch`` (1-based number of the launch that just ended; 0 before the first),
 ``exit_code`` (of that launch, None before the first), ``restarts`` (relaunches so far, this one
-included). A relaunch also has ``alert``, ``checkpoint`` (name, iteration, path),
+included). A relaunch also has ``alert``, ``checkpoint`` (name, iteration, path), ``aborted`` (where
+the abort checkpoint was moved: ``from``, ``to``, ``iteration``),
 ``after_change_point``, ``why`` (the selection), ``remedy``, ``flags_removed``, ``flags_added``,
 ``notes`` and ``command``. The same record goes to TensorBoard as text when the command has a
 ``--tensorboard-dir`` and ``torch.utils.tensorboard`` imports (never required).
@@ -35,6 +36,9 @@ class RecoveryRecord:
     """Seconds since the supervisor started."""
     alert: Optional[dict] = None
     checkpoint: Optional[dict] = None
+    aborted: Optional[dict] = None
+    """The abort checkpoint kept aside before the relaunch: ``from``, ``to`` (under
+    ``--save/mechmon_aborted/launch-N/``), ``iteration``."""
     after_change_point: bool = False
     why: str = ""
     remedy: Optional[str] = None
@@ -53,6 +57,8 @@ class RecoveryRecord:
             text += f"; from {self.checkpoint['name']}"
             if self.after_change_point:
                 text += " (saved AFTER the change point)"
+        if self.aborted is not None:
+            text += f"; abort checkpoint kept in {self.aborted['to']}"
         if self.remedy:
             text += f"; remedy {self.remedy}"
         if self.flags_added or self.flags_removed:

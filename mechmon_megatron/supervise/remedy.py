@@ -3,10 +3,25 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Optional, Sequence
 
 from mechmon_megatron.supervise.command import flag_values, host_flag_names, remove_flag, set_flag
+from mechmon_megatron.supervise.host import HostFlags
 from mechmon_megatron.supervise.policy import SKIP_WINDOW, Edit
+
+SCHEDULE_OVERRIDE = "--override-opt_param-scheduler"
+"""Megatron-LM's switch (the example trainer and the DeepSpeed example have the same): on a load,
+the LR / weight-decay schedule comes from the flags, not from the checkpoint. Without it a
+checkpoint's scheduler state wins and an LR remedy does nothing after a rollback."""
+USE_CHECKPOINT_SCHEDULE = "--use-checkpoint-opt_param-scheduler"
+"""Megatron-LM's opposite switch; the two together are refused by its scheduler."""
+
+
+def is_schedule_flag(flag: str) -> bool:
+    """A flag the host's LR / weight-decay scheduler reads (and a checkpoint's scheduler overrides):
+    ``--lr*``, ``--min-lr``, ``--*weight-decay*``, ``--decoupled-*lr``."""
+    return (flag.startswith("--lr") or flag == "--min-lr" or "weight-decay" in flag
+            or (flag.startswith("--decoupled-") and flag.endswith("lr")))
 
 
 @dataclass
@@ -81,3 +96,23 @@ def diff_flags(before: Sequence[str], after: Sequence[str]) -> tuple[list[str], 
             if new is not None:
                 added.append(" ".join([flag, *new]))
     return removed, added
+
+
+def let_flags_set_schedule(args: Sequence[str], changes: Sequence[str],
+                           host: HostFlags) -> tuple[list[str], Optional[str]]:
+    """``args`` with :data:`SCHEDULE_OVERRIDE` when ``changes`` (``--flag values`` strings) touch the
+    schedule, so that the remedy takes effect wherever the rollback lands; (args, note)."""
+    flags = [c.split(" ", 1)[0] for c in changes]
+    touched = sorted({f for f in flags if is_schedule_flag(f)})
+    if not touched:
+        return list(args), None
+    if not host.has(SCHEDULE_OVERRIDE):
+        return list(args), (f"the host has no {SCHEDULE_OVERRIDE}: after a load, its checkpoint's LR schedule may "
+                            f"win over {', '.join(touched)}")
+    out = list(args)
+    if flag_values(out, USE_CHECKPOINT_SCHEDULE) is not None:
+        out = remove_flag(out, USE_CHECKPOINT_SCHEDULE)
+    if flag_values(out, SCHEDULE_OVERRIDE) is not None:
+        return out, None
+    return (set_flag(out, SCHEDULE_OVERRIDE, []),
+            f"{SCHEDULE_OVERRIDE} added: {', '.join(touched)} win over the checkpoint's LR schedule")

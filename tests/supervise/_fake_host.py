@@ -48,6 +48,7 @@ def main() -> int:
     p.add_argument("--layout", default="megatron", choices=["megatron", "deepspeed"])
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--min-lr", type=float, default=0.0)
+    p.add_argument("--override-opt_param-scheduler", action="store_true")
     p.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
     p.add_argument("--fa-fp32-o", action="store_true")
     p.add_argument("--fa-tie-shift-beta", type=float)

@@ -83,6 +83,11 @@ def _training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--router-lr-mult", type=float, default=1.0,
                    help="Multiply the peak and minimum LR of the MoE router weights only (a "
                         "router-only learning-rate fault for the fault study); 1 = off.")
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
+                   dest="override_opt_param_scheduler",
+                   help="On --load, take the LR and weight-decay schedule from these flags, not from the "
+                        "checkpoint (as Megatron-LM's flag; the step count still comes from the checkpoint). "
+                        "mechmon-supervise adds it with every LR remedy.")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.95)

@@ -32,6 +32,35 @@ def router_lr_overrides(args) -> Optional[dict]:
     return {ParamKey(name=ROUTER_PARAM_PATTERN): {"max_lr": args.lr * mult, "min_lr": args.min_lr * mult}}
 
 
+def lr_bounds(optimizer) -> list[tuple[float, float]]:
+    """Each optimizer param group's (max_lr, min_lr), as the flags set them (router groups scaled)."""
+    return [(group["max_lr"], group["min_lr"]) for group in optimizer.param_groups]
+
+
+def reconcile_lr_schedule(args, optimizer, scheduler, flag_bounds: list[tuple[float, float]],
+                          saved: dict) -> Optional[str]:
+    """After a load: the line that says whose LR schedule is in force, or None when the flags and
+    the checkpoint agree.
+
+    Loading restores the scheduler's bounds and, through the optimizer state, each param group's
+    ``max_lr`` / ``min_lr``: the checkpoint's schedule wins over ``--lr`` / ``--min-lr``. With
+    ``--override-opt_param-scheduler`` the flags win: the scheduler keeps the flags' bounds
+    (megatron-core's override) and the param groups get them back here; the step count is the
+    checkpoint's either way."""
+    saved_lr, saved_min = saved.get("max_lr"), saved.get("min_lr")
+    if args.override_opt_param_scheduler:
+        for group, (max_lr, min_lr) in zip(optimizer.param_groups, flag_bounds):
+            group["max_lr"], group["min_lr"] = max_lr, min_lr
+        scheduler.step(increment=0)  # the current LR from the flags' bounds at the loaded step
+        return (f"--override-opt_param-scheduler: LR schedule from the flags (--lr {args.lr:g}, --min-lr "
+                f"{args.min_lr:g}), not the checkpoint's (lr {saved_lr}, min-lr {saved_min}); LR now "
+                f"{optimizer.param_groups[0]['lr']:.6e}")
+    if saved_lr is not None and (saved_lr, saved_min) != (args.lr, args.min_lr):
+        return (f"the checkpoint's LR schedule (lr {saved_lr:g}, min-lr {saved_min:g}) is in force, not --lr "
+                f"{args.lr:g} --min-lr {args.min_lr:g}: add --override-opt_param-scheduler to use the flags")
+    return None
+
+
 def main(argv: Optional[Sequence[str]] = None,
          extra_args_providers: Optional[Iterable[ArgsProvider]] = None,
          callbacks_factory: Optional[Callable[[Any], list]] = None) -> int:
@@ -80,7 +109,10 @@ def main(argv: Optional[Sequence[str]] = None,
         end_wd=args.weight_decay, wd_incr_steps=args.train_iters * gbs,
         wd_incr_style="constant",
         wsd_decay_steps=args.lr_wsd_decay_iters * gbs if args.lr_decay_style == "WSD" else None,
-        lr_wsd_decay_style=args.lr_wsd_decay_style if args.lr_decay_style == "WSD" else None)
+        lr_wsd_decay_style=args.lr_wsd_decay_style if args.lr_decay_style == "WSD" else None,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=not args.override_opt_param_scheduler)
+    flag_bounds = lr_bounds(optimizer)
 
     callbacks = CallbackList([AttentionStepCallback(args)] + (callbacks_factory(args) if callbacks_factory else []))
     iteration = 0
@@ -93,8 +125,11 @@ def main(argv: Optional[Sequence[str]] = None,
         if monitor_state is not None:
             states[STATE_KEY] = monitor_state
         callbacks.load_state_dict(states)
+        schedule_note = reconcile_lr_schedule(args, optimizer, scheduler, flag_bounds, extra.get("scheduler", {}))
         if rank == 0:
             print(f"loaded checkpoint from {args.load} at iteration {iteration}", flush=True)
+            if schedule_note:
+                print(schedule_note, flush=True)
 
     schedule = SampleSchedule(open_stream(args.data_path, args.corpus_max_bytes),
                               args.seq_length, args.seed)
