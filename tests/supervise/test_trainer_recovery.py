@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -59,6 +60,55 @@ def test_drill_is_recovered_from_the_change_point(tmp_path: Path):
     assert (save / "iter_0000012" / "mechmon_alert.json").is_file()
     events = [(b["mechmon"]["event"], b["mechmon"].get("family") or b["mechmon"].get("action")) for b in hook.bodies]
     assert events == [("alarm", "drill"), ("recovery", "relaunch"), ("recovery", "stop")], events
+
+
+def _lr_by_launch(metrics: Path) -> list[dict[int, float]]:
+    """The LR each iteration trained with, per launch (a launch starts where the iterations restart)."""
+    launches: list[dict[int, float]] = []
+    last = None
+    for line in metrics.read_text().splitlines():
+        row = json.loads(line)
+        if last is None or row["iteration"] <= last:
+            launches.append({})
+        launches[-1][row["iteration"]] = row["lr"]
+        last = row["iteration"]
+    return launches
+
+
+def test_foreign_checkpoint_left_alone_abort_kept_and_lr_remedy_in_effect(tmp_path: Path):
+    """Another run left iter_5, 10 and 14 in --save; the supervised run rewrites 5 and 10 and its
+    drill aborts at 15. The rollback is this run's iter_0000010 (not the other run's 14, the newer
+    one), the abort checkpoint is moved aside with its alert before the relaunch saves iter_15
+    again, and the halved LR is the LR the relaunch trains with (the checkpoint's schedule would
+    otherwise win: iterations 11-15 would repeat the first launch's rates)."""
+    save, metrics = tmp_path / "ck", tmp_path / "metrics.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    other = subprocess.run([*TRAINER, *TINY, "--train-iters", "14", "--save", str(save), "--save-interval", "5"],
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert other.returncode == 0, other.stdout[-2000:] + other.stderr[-2000:]
+    assert sorted(p.name for p in save.glob("iter_*")) == ["iter_0000005", "iter_0000010", "iter_0000014"]
+    policy = _policy(tmp_path, [{"name": "half-lr", "alternatives": [
+        {"remove": ["--mechmon-drill-at"], "scale": {"--lr": 0.5, "--min-lr": 0.5}}]}])
+    command = [*TRAINER, *TINY, *MECHMON[:-1], "15", "--train-iters", "18", "--save", str(save), "--save-interval",
+               "5", "--lr", "0.001", "--min-lr", "0.0001", "--metrics-jsonl", str(metrics)]
+    out = supervise(["--policy", policy], command, timeout_s=400)
+    assert out.returncode == 0, out.output[-4000:]
+    relaunch = records(save)[0]
+    assert relaunch["checkpoint"]["name"] == "iter_0000010", relaunch
+    assert any("iter_0000014" in note and "not this run's" in note for note in relaunch["notes"]), relaunch["notes"]
+    assert (save / "iter_0000014" / "metadata.json").is_file()  # left alone
+    kept = save / "mechmon_aborted" / "launch-1" / "iter_0000015"
+    assert relaunch["aborted"]["to"] == str(kept)
+    assert json.loads((kept / "mechmon_alert.json").read_text())["iteration"] == 15
+    assert (kept / "metadata.json").is_file()
+    assert (save / "iter_0000015" / "metadata.json").is_file()  # the relaunch's own save, beside the kept one
+    assert not (save / "iter_0000015" / "mechmon_alert.json").exists()
+    assert "--override-opt_param-scheduler" in relaunch["flags_added"]
+    assert "--override-opt_param-scheduler: LR schedule from the flags" in out.output
+    first, second = _lr_by_launch(metrics)
+    assert sorted(first) == list(range(1, 16)) and sorted(second) == list(range(11, 19))
+    for iteration in range(11, 16):
+        assert second[iteration] == pytest.approx(0.5 * first[iteration], rel=1e-9), (iteration, first, second)
 
 
 @pytest.mark.slow
