@@ -25,9 +25,11 @@ TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch",
 """Launchers with torchrun's options: the last is nvidia-resiliency-ext's ``ft_launcher`` (torchrun's
 options plus ``--ft-*`` ones, each with a value)."""
 TORCHRUN_LIKE = ("torchrun", "ft_launcher")
-SCRIPT_WRAPPERS = ("mechmon_megatron.adapters.megatron_lm.run", "mechmon-run")
+SCRIPT_WRAPPERS = ("mechmon_megatron.adapters.megatron_lm.run", "mechmon-run",
+                   "mechmon_megatron.testing.megatron_lm_cpu")
 """Programs whose first argument is the training script (``mechmon-run pretrain_gpt.py ...``):
-the host's flags start after that script, and ``--help`` goes to it."""
+the host's flags start after that script, and ``--help`` goes to it. The last is ``mechmon-run``
+on CPU, from a checkout's testing package (never imported here)."""
 
 
 class CommandError(ValueError):

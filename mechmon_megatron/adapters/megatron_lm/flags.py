@@ -14,8 +14,30 @@ def has_mechmon_flags(parser: argparse.ArgumentParser) -> bool:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron ``extra_args_provider``: adds the ``--mechmon*`` flags (once per parser)."""
+    """Megatron ``extra_args_provider``: adds the ``--mechmon*`` flags (once per parser), and keeps
+    the host's ``--help`` printable (:func:`escape_stray_percent`)."""
+    escape_stray_percent(parser)
     return parser if has_mechmon_flags(parser) else add_mechmon_args(parser)
+
+
+def escape_stray_percent(parser: argparse.ArgumentParser) -> list[str]:
+    """Escape a lone ``%`` in any help text argparse cannot expand; returns the flags fixed.
+
+    argparse formats each help text with ``%``-style formatting, so a help such as megatron-core
+    0.19.2's ``--moe-paged-stash-buffer-size-factor-cuda`` ("... (e.g. 1.10 = 10%).") makes
+    ``--help`` raise ``ValueError``. mechmon-supervise reads the host's flags from ``--help``: it
+    could not supervise such a release at all. Only texts that fail to expand are touched."""
+    formatter = parser._get_formatter()
+    fixed = []
+    for action in parser._actions:
+        if not action.help or action.help is argparse.SUPPRESS:
+            continue
+        try:
+            formatter._expand_help(action)
+        except (ValueError, TypeError, KeyError):
+            action.help = action.help.replace("%", "%%")
+            fixed.extend(action.option_strings[:1])
+    return fixed
 
 
 def with_mechmon_flags(existing: Optional[ArgsProvider] = None) -> ArgsProvider:

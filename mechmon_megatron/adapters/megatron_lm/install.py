@@ -40,11 +40,13 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import os
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:  # the hooks (torch, megatron-core) load in install(): mechmon-patch stays light
     from mechmon_megatron.adapters.megatron_lm.hooks import MegatronLMHooks
 
+from mechmon_megatron.adapters.megatron_lm.lr_override import retarget_param_groups
 from mechmon_megatron.session.state_format import STATE_KEY
 
 logger = logging.getLogger(__name__)
@@ -172,6 +174,12 @@ def wrap_checkpointing_module(checkpointing: Any, hooks: MegatronLMHooks) -> Non
                                                                iteration, release, *rest, **kwargs)
         if added:
             hooks.take_loaded(result[0], checkpoint_dir)
+        if not rank0 and getattr(args, "override_opt_param_scheduler", False) and isinstance(result[0], dict):
+            changed = retarget_param_groups(result[0].get("optimizer"), args)
+            if changed and os.environ.get("RANK", "0") == "0":
+                logger.info("[mechmon] --override-opt_param-scheduler: %d optimizer param group(s) of %s take "
+                            "max_lr / min_lr from --lr %s --min-lr %s, not from the checkpoint", changed,
+                            checkpoint_dir, getattr(args, "lr", None), getattr(args, "min_lr", None))
         return result
 
     _install(checkpointing, original, {"generate_state_dict": generate_state_dict,
