@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["CheckpointRef", "SkippedCheckpoint", "discover"]
 
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
+ABORTED_DIR = "mechmon_aborted"
+"""Where mechmon-supervise keeps each abort checkpoint, ``launch-K/<name>/`` (docs/RECOVERY.md)."""
 _ITER = re.compile(r"^iter_(\d+)$")
 _STEP = re.compile(r"^global_step(\d+)$")
 _HF_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -123,6 +125,16 @@ def _in_run_dir(run_dir: str, skipped: list[SkippedCheckpoint]) -> list[Checkpoi
     return found
 
 
+def kept_abort_checkpoints(run_dir: str) -> list[str]:
+    """The abort checkpoints mechmon-supervise moved aside in ``run_dir`` (``mechmon_aborted/launch-K/*``)."""
+    root = os.path.join(run_dir, ABORTED_DIR)
+    if not os.path.isdir(root):
+        return []
+    return sorted(os.path.join(root, launch, name) for launch in os.listdir(root)
+                  if os.path.isdir(os.path.join(root, launch)) for name in os.listdir(os.path.join(root, launch))
+                  if os.path.isdir(os.path.join(root, launch, name)))
+
+
 def discover(paths: tuple[str, ...], window: int) -> tuple[list[CheckpointRef], list[SkippedCheckpoint]]:
     """The series, sorted by iteration, and the folders named like checkpoints that were left
     out (each logged as a warning). ScanInputError for unknown paths, mixed formats, duplicate
@@ -130,6 +142,12 @@ def discover(paths: tuple[str, ...], window: int) -> tuple[list[CheckpointRef], 
     refs: list[CheckpointRef] = []
     skipped: list[SkippedCheckpoint] = []
     for path in paths:
+        kept = kept_abort_checkpoints(path) if os.path.isdir(path) else []
+        if kept:
+            logger.warning("%s: %d abort checkpoint(s) kept by mechmon-supervise, not part of this folder's series "
+                           "(its relaunch saved the same iterations again): %s. To scan the alarmed weights, name "
+                           "the saves before the rollback point and one of these, each as a path (docs/SCAN.md).",
+                           path, len(kept), ", ".join(kept))
         if not os.path.exists(path):
             raise ScanInputError(f"{path}: no such file or directory; expected {KNOWN}.")
         if os.path.isfile(path):

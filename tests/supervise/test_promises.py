@@ -148,3 +148,14 @@ def test_save_that_is_a_file_is_refused_in_one_line(tmp_path: Path):
     assert out.returncode == 2, out.output
     assert f"--save {save} is a file, not a folder" in out.output and "Traceback" not in out.output
     assert save.read_text() == "not a folder"
+
+
+def test_scan_points_at_the_kept_abort_checkpoints(tmp_path: Path, caplog):
+    from mechmon_megatron.scan.errors import ScanInputError
+    from mechmon_megatron.scan.series import discover
+
+    kept = tmp_path / "ck" / "mechmon_aborted" / "launch-1" / "iter_0000015"
+    kept.mkdir(parents=True)
+    with pytest.raises(ScanInputError):
+        discover((str(tmp_path / "ck"),), window=1)
+    assert "1 abort checkpoint(s) kept by mechmon-supervise" in caplog.text and str(kept) in caplog.text

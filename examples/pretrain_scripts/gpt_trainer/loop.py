@@ -54,6 +54,8 @@ class Trainer:
     callbacks: CallbackList
     metrics: MetricsWriter
     iteration: int = 0
+    last_checkpoint: Optional[str] = None
+    """The newest checkpoint this launch saved (for the closing line)."""
 
     def save(self, iteration: int) -> Optional[str]:
         """Save now (collective); a no-op returning None without ``--save``."""
@@ -70,6 +72,10 @@ class Trainer:
     def save_regular(self, iteration: int) -> Optional[str]:
         """A scheduled save (--save-interval / end of training): callbacks hear about it."""
         path = self.save(iteration)
+        if path is not None:
+            self.last_checkpoint = path
+            if torch.distributed.get_rank() == 0:
+                print(f"saved checkpoint at iteration {iteration} to {path}", flush=True)
         self.callbacks.on_checkpoint_saved(iteration, path)
         return path
 
@@ -139,7 +145,11 @@ class Trainer:
         path = None
         if args.save and last_saved != self.iteration:
             path = self.save_regular(self.iteration)
+        rank0 = torch.distributed.get_rank() == 0
         self._finish(ExitRequest(save=False, exit_code=0, reason="--train-iters reached"), path)
+        if rank0:  # after the callbacks' own closing lines (mechmon: checks, alarms, records)
+            last = f"; last checkpoint {self.last_checkpoint}" if self.last_checkpoint else ""
+            print(f"training done at iteration {self.iteration} (--train-iters reached){last}", flush=True)
         return 0
 
     def _finish(self, request: ExitRequest, checkpoint_dir: Optional[str]) -> None:
