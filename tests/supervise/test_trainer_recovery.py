@@ -55,9 +55,11 @@ def test_drill_is_recovered_from_the_change_point(tmp_path: Path):
     assert f"loaded checkpoint from {save} at iteration 10" in out.output
     assert "no --save-interval" not in out.output and "does not set --mechmon" not in out.output
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "16"
-    for name in ("iter_0000005", "iter_0000010", "iter_0000012"):  # nothing deleted
+    for name in ("iter_0000005", "iter_0000010", "iter_0000015", "iter_0000016"):  # nothing deleted
         assert (save / name / "metadata.json").is_file(), name
-    assert (save / "iter_0000012" / "mechmon_alert.json").is_file()
+    kept = save / "mechmon_aborted" / "launch-1" / "iter_0000012"  # the abort checkpoint, moved aside
+    assert (kept / "metadata.json").is_file() and (kept / "mechmon_alert.json").is_file()
+    assert "saved checkpoint at iteration 5 to" in out.output and "training done at iteration 16" in out.output
     events = [(b["mechmon"]["event"], b["mechmon"].get("family") or b["mechmon"].get("action")) for b in hook.bodies]
     assert events == [("alarm", "drill"), ("recovery", "relaunch"), ("recovery", "stop")], events
 
