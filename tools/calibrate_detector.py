@@ -4,7 +4,9 @@
         [--leave-one-out]
 
 Each RUN_DIR holds ``mechmon/mechmon_scalars.jsonl`` (or is that file, or a record exported by
-``tools/detector_study.py export``) of a healthy run recorded with ``--mechmon-per-head-scalars``.
+``tools/detector_study.py export``) of a healthy run recorded with ``--mechmon-per-head-scalars``;
+a records file that holds several fresh starts into one log dir gives one series per run (``#runK``
+in the names; a resume continues its run).
 The runs are replayed without alarms, the CUSUM values of every test are collected and their
 exponential tails fitted (``mechmon_megatron.detect.null_model``), and so are the per-check pooled
 residuals (the ``shewhart`` section that ``--mechmon-detector-shewhart`` needs).
@@ -26,7 +28,7 @@ from dataclasses import asdict
 
 from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE
 from mechmon_megatron.research.study.calibration_check import leave_one_run_out, replays_needed, summary
-from mechmon_megatron.research.study.campaign_data import load_checks
+from mechmon_megatron.research.study.campaign_data import load_named_runs
 from mechmon_megatron.research.study.pooled_replay import calibrate_on_runs
 
 
@@ -44,7 +46,7 @@ def main(argv=None) -> int:
     if args.leave_one_out and len(args.runs) < 3:
         p.error(f"--leave-one-out needs at least 3 healthy runs (2 to fit, 1 to hold out), got {len(args.runs)}")
     try:
-        series = [load_checks(r) for r in args.runs]
+        series, names = load_named_runs(args.runs, _name)  # a file of several fresh starts: one series each
         table, log = calibrate_on_runs(
             series,
             args.interval,
@@ -62,7 +64,7 @@ def main(argv=None) -> int:
     if args.leave_one_out:
         bar = _progress_bar(replays_needed(len(series), args.interval, args.delta))
         try:
-            held = leave_one_run_out(series, [_name(r) for r in args.runs], args.interval, args.delta, args.rate,
+            held = leave_one_run_out(series, names, args.interval, args.delta, args.rate,
                                      on_replay=bar.update if bar is not None else None)
         except ValueError as exc:
             raise SystemExit(f"--leave-one-out failed: {exc}") from None

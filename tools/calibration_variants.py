@@ -18,7 +18,7 @@ import sys
 
 from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE
 from mechmon_megatron.research.study.calibration_variants import VARIANTS, as_json, compare_variants, markdown
-from mechmon_megatron.research.study.campaign_data import load_checks
+from mechmon_megatron.research.study.campaign_data import load_named_runs
 
 
 def main(argv=None) -> int:
@@ -34,8 +34,8 @@ def main(argv=None) -> int:
     if len(args.runs) < 3:
         p.error(f"needs at least 3 healthy runs (2 to fit, 1 to hold out), got {len(args.runs)}")
     try:
-        series = [load_checks(r) for r in args.runs]
-        names = [os.path.basename(os.path.normpath(r)).removesuffix(".json.gz") for r in args.runs]
+        series, names = load_named_runs(  # a file of several fresh starts: one series each
+            args.runs, lambda r: os.path.basename(os.path.normpath(r)).removesuffix(".json.gz"))
         results = compare_variants(series, names, args.interval, args.delta, args.rate,
                                    [v for v in args.variants.split(",") if v], args.iterations)
     except (OSError, ValueError) as exc:

@@ -35,7 +35,7 @@ import sys
 
 from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE, JobShape, thresholds_for_job
 from mechmon_megatron.detect.pooled_cusum import default_sequential_config
-from mechmon_megatron.research.study.campaign_data import load_checks
+from mechmon_megatron.research.study.campaign_data import load_runs
 from mechmon_megatron.research.study.per_stream_rule import feed_per_stream, per_stream_bank
 from mechmon_megatron.research.study.pooled_replay import fit_tail_table, null_statistics, subsample
 from mechmon_megatron.session.detector_inputs import observations_from_scalars
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"--job-interval {job_interval} must be a multiple of the recorded --interval {args.interval}")
     every = job_interval // args.interval
     overlap = max(1, math.ceil(args.delta / job_interval))
-    series = [load_checks(r) for r in args.runs]
+    series = [run for r in args.runs for run in load_runs(r)]  # a file of several fresh starts: one series each
     table, fit = fit_tail_table(
         {overlap: (job_interval, [subsample(s, args.interval, every) for s in series])}, source="frontier extrapolation"
     )

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import logging
 import math
 import os
 import sys
@@ -236,14 +237,18 @@ def ds_config_from_args(args: argparse.Namespace, world: int) -> dict:
         for key in ("csv_monitor", "tensorboard"):
             if key in config:
                 config[key]["output_path"] = args.monitor_dir
-    section = config.setdefault("mechmon", {})
+    section = config.get("mechmon")
     for item in args.mechmon_set:
+        if section is None:  # --mechmon-set on a config without the section starts one
+            section = config["mechmon"] = {}
         key, _, value = item.partition("=")
         try:
             section[key.strip()] = json.loads(value)
         except json.JSONDecodeError:
             section[key.strip()] = value  # a bare string
-    if args.save and "checkpoint_dir" not in section:
+    # Only a section that exists gains the abort folder: a config without one stays unmonitored
+    # (a section of checkpoint_dir alone, with no "enabled", is refused).
+    if args.save and section and "checkpoint_dir" not in section:
         section["checkpoint_dir"] = args.save
     return config
 
@@ -286,10 +291,12 @@ def reconcile_lr_schedule(args: argparse.Namespace, scheduler) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # mechmon reports through logging (its start-up lines, alarms, failures), as in the trainer.
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from mechmon_megatron.adapters.deepspeed import parse_section
 
     try:  # the whole mechmon section, checked before any process group or model exists
-        parse_section(ds_config_from_args(args, int(os.environ.get("WORLD_SIZE", "1"))).get("mechmon", {}))
+        parse_section(ds_config_from_args(args, int(os.environ.get("WORLD_SIZE", "1"))).get("mechmon") or {})
     except ValueError as exc:
         print(f"{os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr)
         return 2

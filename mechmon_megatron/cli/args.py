@@ -9,12 +9,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from mechmon_megatron._version import __version__
 from mechmon_megatron.session.config import ACTIONS, MONITOR_FAMILIES, MechmonConfig
 from mechmon_megatron.session.host_settings import graphed_router
-from mechmon_megatron.session.startup import RunFacts, validate_startup
+from mechmon_megatron.session.startup import RunFacts, log_startup_warnings, validate_startup
 
 logger = logging.getLogger(__name__)
 
@@ -32,97 +32,146 @@ REMOVED_FLAGS = (
 """Flags of the 0.1 per-stream detector; naming one is an error that says what replaced it."""
 
 
+GIVEN_FLAGS = "mechmon_flags_given"
+"""Namespace attribute: the ``--mechmon*`` flags the command line named, in order (set by the parser
+itself, only when one was named; :func:`given_mechmon_flags` reads it)."""
+
+
+def _record_given(namespace: argparse.Namespace, flag: str) -> None:
+    given = tuple(getattr(namespace, GIVEN_FLAGS, ()))
+    if flag not in given:
+        setattr(namespace, GIVEN_FLAGS, (*given, flag))
+
+
+class _Store(argparse._StoreAction):
+    """``store``, and the flag is recorded as given (argparse calls an action only for a flag the
+    command line names, in any spelling it accepts: ``--flag=v``, an abbreviation, ``@file``)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: Optional[str] = None) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        _record_given(namespace, self.option_strings[0])
+
+
+class _StoreTrue(argparse._StoreTrueAction):
+    """``store_true``, and the flag is recorded as given (see :class:`_Store`)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: Optional[str] = None) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        _record_given(namespace, self.option_strings[0])
+
+
+def given_mechmon_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """The ``--mechmon*`` flags the command line named (not the values that differ from their
+    defaults: ``--mechmon-interval 100`` is given although 100 is the default), in the order named.
+
+    Recorded by the parser that :func:`add_mechmon_args` extended, whatever host owns it (the
+    example trainer, Megatron-LM under ``mechmon-run`` or the patched script), so no host has to
+    hand its argv over. A namespace that no such parser made names none.
+    """
+    return tuple(getattr(args, GIVEN_FLAGS, ()))
+
+
 def add_mechmon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``--mechmon*`` flags (an argument group named ``mechmon``) and return the parser."""
+    """Add the ``--mechmon*`` flags (an argument group named ``mechmon``) and return the parser.
+
+    Each flag the command line names is recorded in the namespace (:func:`given_mechmon_flags`):
+    flags given without ``--mechmon`` are refused at start-up (:func:`startup_config`)."""
     g = parser.add_argument_group(title="mechmon", description="mechanism-driven training monitors")
-    g.add_argument("--mechmon", action="store_true", help="Enable the mechanism monitors.")
-    g.add_argument("--mechmon-interval", type=int, default=_DEFAULTS.interval, help="Check every N iterations.")
-    g.add_argument(
+
+    def add(*names: str, **kwargs: Any) -> None:
+        kwargs["action"] = _StoreTrue if kwargs.get("action") == "store_true" else _Store
+        g.add_argument(*names, **kwargs)
+
+    add("--mechmon", action="store_true", help="Enable the mechanism monitors.")
+    add("--mechmon-interval", type=int, default=_DEFAULTS.interval, help="Check every N iterations.")
+    add(
         "--mechmon-delta",
         type=int,
         default=_DEFAULTS.delta,
         help="Increment window (iterations): compare weights at t and t - delta.",
     )
-    g.add_argument(
+    add(
         "--mechmon-monitors",
         type=str,
         default=",".join(_DEFAULTS.monitors),
         help=f"Comma-separated monitor families from {list(MONITOR_FAMILIES)}.",
     )
-    g.add_argument(
+    add(
         "--mechmon-alpha",
         type=float,
         default=_DEFAULTS.alpha,
         help="Spectral-entropy exponent (2 = energy, 1 = Roy-Vetterli).",
     )
-    g.add_argument(
+    add(
         "--mechmon-qk-method",
         type=str,
         default=_DEFAULTS.qk_method,
         help="Per-head kernel: gram (fast) or compressed (QR).",
     )
-    g.add_argument(
+    add(
         "--mechmon-no-full-matrix-dw",
         action="store_true",
         help="Skip the full-matrix dW_q/dW_k spectra (saves a TP gather).",
     )
-    g.add_argument(
+    add(
         "--mechmon-full-matrix-method",
         type=str,
         default=_DEFAULTS.full_matrix_method,
         help="Full-matrix dW spectrum: randomized (top-k with a certified bound) or exact (full SVD).",
     )
-    g.add_argument(
+    add(
         "--mechmon-full-matrix-rank",
         type=int,
         default=_DEFAULTS.full_matrix_rank,
         help="Singular values kept by the randomized full-matrix spectrum.",
     )
-    g.add_argument(
+    add(
         "--mechmon-wq-norm-power-iters",
         type=int,
         default=_DEFAULTS.wq_norm_power_iters,
         help="Power iterations for the W_q spectral norm (0: exact SVD).",
     )
-    g.add_argument("--mechmon-action", type=str, default=_DEFAULTS.action, help=f"On alarm: one of {list(ACTIONS)}.")
-    g.add_argument(
+    add("--mechmon-action", type=str, default=_DEFAULTS.action, help=f"On alarm: one of {list(ACTIONS)}.")
+    add(
         "--mechmon-exit-code",
         type=int,
         default=_DEFAULTS.exit_code,
         help="Exit code after checkpoint-and-abort (not 0, 1, 16, 17).",
     )
-    g.add_argument(
+    add(
         "--mechmon-snapshot-device",
         type=str,
         default=_DEFAULTS.snapshot_device,
         help="Where weight snapshots live: auto, device, cpu or pinned (page-locked host memory).",
     )
-    g.add_argument(
+    add(
         "--mechmon-weights",
         type=str,
         default=_DEFAULTS.weights,
         help="Read the FP32 main parameters the optimizer updates (main) or the model weights (model).",
     )
-    g.add_argument(
+    add(
         "--mechmon-snapshot-max-device-share",
         type=float,
         default=_DEFAULTS.snapshot_max_device_share,
         help="Under --mechmon-snapshot-device auto: the largest share of accelerator memory snapshots may take "
         "before they move to pinned host memory.",
     )
-    g.add_argument(
+    add(
         "--mechmon-log-dir", type=str, default=None, help="Own TensorBoard + JSONL output when the host has no writer."
     )
-    g.add_argument(
+    add(
         "--mechmon-drill-at",
         type=int,
         default=None,
         help="Raise a synthetic alarm at this iteration (rehearse the action).",
     )
-    g.add_argument(
+    add(
         "--mechmon-strict", action="store_true", help="Let monitor exceptions stop training (default: log and count)."
     )
-    g.add_argument(
+    add(
         "--mechmon-collective-timeout",
         type=float,
         default=None,
@@ -130,45 +179,45 @@ def add_mechmon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "(--mechmon-strict: every rank stops); default 120, or a quarter of --distributed-timeout-minutes "
         "when that is shorter; must stay below half of it.",
     )
-    g.add_argument("--mechmon-per-head-scalars", action="store_true", help="Also write one Delta2 scalar per head.")
-    g.add_argument(
+    add("--mechmon-per-head-scalars", action="store_true", help="Also write one Delta2 scalar per head.")
+    add(
         "--mechmon-router-entropy-bins",
         type=int,
         default=_DEFAULTS.router_entropy_bins,
         help="Histogram bins for the routing-entropy quantiles (error <= log E / bins).",
     )
-    g.add_argument(
+    add(
         "--mechmon-router-min-effective-experts",
         type=str,
         default=str(_DEFAULTS.router_min_effective_experts),
         help="Routing-entropy floor as effective experts per token, exp(mean entropy): "
         "topk (default), a number >= 1, or off.",
     )
-    g.add_argument(
+    add(
         "--mechmon-false-alarm-rate",
         type=float,
         default=_DEFAULTS.false_alarm_rate,
         help="Expected false alarms per 1,000,000 steps for the whole job (default 0.01); every detector "
         "threshold follows from it.",
     )
-    g.add_argument(
+    add(
         "--mechmon-detector-calibration",
         type=str,
         default=None,
         help="Null-tail table of your own healthy runs (tools/calibrate_detector.py); default: the shipped one.",
     )
-    g.add_argument(
+    add(
         "--mechmon-alert-webhook",
         type=str,
         default=None,
         help="http(s) URL: each alarm is posted there as Slack-compatible JSON (writer rank, never blocks).",
     )
-    g.add_argument(
+    add(
         "--mechmon-detector-shewhart",
         action="store_true",
         help="Also alarm at once on one check far beyond the null tail (Shewhart limit; off by default).",
     )
-    g.add_argument(
+    add(
         "--mechmon-short-window",
         action="store_true",
         help="Also compute Delta2 over the last --mechmon-interval steps at every check (detector family "
@@ -232,12 +281,19 @@ def validate_mechmon_args(parser: argparse.ArgumentParser, args: argparse.Namesp
 
 def startup_config(args: argparse.Namespace) -> MechmonConfig:
     """The config of ``args``, checked once with what the host's own flags say of the run
-    (``session/startup.py``); ``ValueError`` names the flag. Warnings are logged on rank 0."""
+    (``session/startup.py``); ``ValueError`` names the flag. Warnings are logged on rank 0.
+
+    ``--mechmon-*`` flags given without ``--mechmon`` are refused: whoever wrote them wants the
+    run watched, and a disabled session would train it unwatched without a word; failing at
+    start-up loses nothing."""
+    unswitched = [] if getattr(args, "mechmon", False) else [f for f in given_mechmon_flags(args) if f != "--mechmon"]
+    if unswitched:
+        raise ValueError(f"{', '.join(unswitched)} given without --mechmon: add --mechmon to monitor, or drop "
+                         f"{'them' if len(unswitched) > 1 else 'it'}")
     config = config_from_args(args)
     report = validate_startup(config, run_facts(args))
-    if os.environ.get("RANK", "0") == "0":  # once per job, not once per rank
-        for line in report.warnings:
-            logger.warning("[mechmon] %s", line)
+    # Once per job, not once per rank: no process group exists yet, the launcher's RANK says which.
+    log_startup_warnings(report, int(os.environ.get("RANK", "0") or 0))
     return config
 
 

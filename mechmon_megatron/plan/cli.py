@@ -86,9 +86,15 @@ def plan(argv: Optional[Sequence[str]] = None) -> dict:
         wq_norm_power_iters=args.wq_norm_power_iters, full_matrix_dw=not args.no_full_matrix_dw,
         distributed_optimizer=args.distributed_optimizer,
     )
-    report = build_report(shape, layout, opts)
+    report = build_report(shape, layout, opts, progress=_progress_line)
     report["json"] = bool(args.json)
     return report
+
+
+def _progress_line(line: str) -> None:
+    """The measurement's progress on stderr, one plain line each (stdout stays the report alone;
+    the planner imports torch and the standard library only, so no progress-bar package)."""
+    print(f"[mechmon] mechmon-plan: {line}", file=sys.stderr, flush=True)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

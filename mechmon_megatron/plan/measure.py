@@ -80,6 +80,16 @@ def time_call(fn: Callable[[], object], device: torch.device, repeats: int) -> t
     return statistics.median(times), len(times)
 
 
+def matmul_flops_per_s(device: torch.device) -> float:
+    """A float32 matmul's rate on ``device`` (FLOP/s), from a few calls (well under a second):
+    the yardstick of the planner's rough time for its own measurement."""
+    n = 512
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    seconds, _ = time_call(lambda: a @ b, device, 3)
+    return 2.0 * n**3 / max(seconds, 1e-9)
+
+
 def _pair(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, gen: torch.Generator):
     prev = 0.02 * torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
     now = prev + 1e-3 * torch.randn(shape, generator=gen, device=device, dtype=torch.float32)

@@ -13,7 +13,7 @@ import datetime
 import platform
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Literal, Optional
+from typing import Callable, Literal, Optional
 
 import torch
 
@@ -204,14 +204,81 @@ def _estimated_unit_times(units: _Units) -> dict[str, float]:
     return times
 
 
-def _measured_unit_times(units: _Units, per_set_bytes: int) -> dict[str, measure.Timing]:
+KERNEL_EFFICIENCY = 0.1
+"""The monitor kernels (thin QR, eigendecompositions and SVDs in float64, randomized range
+finders) run at about a tenth of a float32 matmul's FLOP rate: measured on CPU at llama3-8b
+``--tp 8``, ``check_full`` 8.3 GFLOP/s and ``check_heads`` 14 GFLOP/s against 87 for the matmul.
+Only the rough time announced before measuring uses it."""
+
+COPY_BYTES_PER_S = 2e9
+"""A snapshot copy's rough rate (read + write of host memory) for the same announcement."""
+
+UNIT_NAMES = {
+    "attn_heads": "check_heads (one layer's per-head Delta spectra)",
+    "attn_full": "check_full (one layer's whole-matrix dW spectra)",
+    "snapshot_copy": "one snapshot copy",
+    "router_stats": "summarize_routing (one micro-batch of one router)",
+    "router_weights": "router-weight similarity and conditioning",
+}
+
+
+def measured_units(units: _Units, per_set_bytes: int) -> list[str]:
+    """The components :func:`_measured_unit_times` times, in its order."""
+    names = ["attn_heads"] + (["attn_full"] if units.opts.full_matrix_dw else [])
+    if per_set_bytes > 0:
+        names.append("snapshot_copy")
+    if units.shape.num_experts is not None:
+        names += ["router_stats", "router_weights"]
+    return names
+
+
+def rough_measure_seconds(units: _Units, per_set_bytes: int) -> float:
+    """About how long the measurement takes on this device: each unit's FLOPs at
+    :data:`KERNEL_EFFICIENCY` of a matmul's rate measured here, times its calls (a warm-up plus
+    ``repeats``, one call when slower than ``measure.SLOW_CALL_S``). Right within a factor of a few."""
+    opts = units.opts
+    rate = KERNEL_EFFICIENCY * measure.matmul_flops_per_s(torch.device(opts.device))
+    total = 0.0
+    for name in measured_units(units, per_set_bytes):
+        if name == "snapshot_copy":
+            seconds = per_set_bytes / COPY_BYTES_PER_S
+        else:
+            seconds = units.cost[name].flops / rate
+        total += seconds * (1 if seconds > measure.SLOW_CALL_S else 1 + opts.repeats)
+    return total
+
+
+def _measured_unit_times(units: _Units, per_set_bytes: int,
+                         progress: Optional[Callable[[str], None]] = None) -> dict[str, measure.Timing]:
     """Time one unit of each component on the device. A unit whose inputs and float64 work space
     do not fit in half the free memory is timed at a reduced shape (heads, groups or rows divided
-    by 2, 4, ...) and scaled up by the FLOP ratio; the ``what`` of its timing says so."""
+    by 2, 4, ...) and scaled up by the FLOP ratio; the ``what`` of its timing says so.
+
+    ``progress`` hears one line before the measurement (what is timed, roughly how long it takes,
+    that ``--no-measure`` skips it), one before each unit and one at the end: a measurement can
+    take minutes on a CPU."""
     opts, u = units.opts, units.units
     device = torch.device(opts.device)
     dtype = WEIGHT_DTYPES[opts.weights]
     out: dict[str, measure.Timing] = {}
+    say = progress or (lambda line: None)
+    names = measured_units(units, per_set_bytes)
+    if progress is not None:
+        calls = ("one timed call each" if opts.repeats < 1 else
+                 f"1 warm-up + {opts.repeats} timed call{'' if opts.repeats == 1 else 's'} each, one call when slower "
+                 f"than {measure.SLOW_CALL_S:g} s")
+        say(f"measuring {len(names)} kernel units on {device.type} ({', '.join(names)}; {calls}): roughly "
+            f"{_duration(rough_measure_seconds(units, per_set_bytes))} here; --no-measure skips this (FLOP model "
+            "only, every time labelled estimated)")
+    started = time.perf_counter()
+    position = iter(range(1, len(names) + 1))
+
+    def unit(name: str) -> None:
+        k = next(position)
+        elapsed = f" ({_duration(time.perf_counter() - started)} so far)" if k > 1 else ""
+        say(f"measuring {k}/{len(names)}: {UNIT_NAMES[name]}{elapsed}")
+
+    unit("attn_heads")
     k = _reduction(lambda k: measure.heads_memory(_div(u.heads, k), _div(u.groups, k), u.head_dim, u.hidden,
                                                   units.wb), device)
     if k is not None:
@@ -223,6 +290,7 @@ def _measured_unit_times(units: _Units, per_set_bytes: int) -> dict[str, measure
     if opts.full_matrix_dw:
         k = _reduction(lambda k: measure.full_memory(_div(u.full_q_rows, k), _div(u.full_k_rows, k), u.hidden,
                                                      units.wb), device)
+        unit("attn_full")
         if k is not None:
             q_rows, k_rows = _div(u.full_q_rows, k), _div(u.full_k_rows, k)
             timing = measure.measure_full(
@@ -232,16 +300,28 @@ def _measured_unit_times(units: _Units, per_set_bytes: int) -> dict[str, measure
             reduced = full_cost(q_rows, k_rows, u.hidden, opts.full_matrix_method, opts.full_matrix_rank,
                                 opts.wq_norm_power_iters, units.wb)
             out["attn_full"] = _scale_up(timing, units.cost["attn_full"].flops / reduced.flops)
-    if per_set_bytes > 0 and measure.fits(2 * per_set_bytes, device):
-        out["snapshot_copy"] = measure.measure_copy(per_set_bytes, device=device, target=None, repeats=opts.repeats)
+    if per_set_bytes > 0:
+        unit("snapshot_copy")
+        if measure.fits(2 * per_set_bytes, device):
+            out["snapshot_copy"] = measure.measure_copy(per_set_bytes, device=device, target=None,
+                                                        repeats=opts.repeats)
     shape = units.shape
     if shape.num_experts is not None:
+        unit("router_stats")
         out["router_stats"] = measure.measure_router_stats(
             units.tokens, shape.num_experts, shape.moe_router_topk, opts.router_bins, device=device,
             repeats=opts.repeats)
+        unit("router_weights")
         out["router_weights"] = measure.measure_router_weights(
             shape.num_experts, shape.hidden_size, device=device, repeats=opts.repeats)
+    say(f"measured in {_duration(time.perf_counter() - started)}")
     return out
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s" if seconds < 10 else f"{seconds:.0f} s"
+    return f"{seconds / 60:.1f} min"
 
 
 def _div(n: int, k: int) -> int:
@@ -317,8 +397,11 @@ def _rank(cls: RankClass) -> dict[str, int]:
     return {"pp": p, "dp": d, "tp": t}
 
 
-def build_report(shape: ModelShape, layout: ParallelLayout, opts: PlanOptions) -> dict:
-    """The plan as one JSON-ready dict (raises ``PlanInputError`` for bad input)."""
+def build_report(shape: ModelShape, layout: ParallelLayout, opts: PlanOptions,
+                 progress: Optional[Callable[[str], None]] = None) -> dict:
+    """The plan as one JSON-ready dict (raises ``PlanInputError`` for bad input). ``progress``
+    hears what the measurement does while it runs (``_measured_unit_times``); the report is the
+    same with or without it."""
     start = time.perf_counter()
     validate(shape, layout)
     opts.validate()
@@ -335,7 +418,7 @@ def build_report(shape: ModelShape, layout: ParallelLayout, opts: PlanOptions) -
     measured = None
     copy_bytes = per_set[id(snap_cls)]
     if opts.measure:
-        measured = _measured_unit_times(units, copy_bytes)
+        measured = _measured_unit_times(units, copy_bytes, progress)
 
     def components(c: RankClass, use_measured: bool) -> dict[str, _Component]:
         return _components(units, c, per_set[id(c)], estimated, measured if use_measured else None, copy_bytes)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
 from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE
+from mechmon_megatron.session.webhook import check_webhook_url
 
 MONITOR_FAMILIES = ("attn", "router")
 ACTIONS = ("log", "warn", "checkpoint-and-abort")
@@ -218,11 +219,13 @@ class MechmonConfig:
             )
 
         if self.alert_webhook is not None:
-            _require(
-                self.alert_webhook.startswith(("http://", "https://")),
-                "alert-webhook",
-                f"must be an http:// or https:// URL, got {self.alert_webhook!r}",
-            )
+            # Parsed whole here, the one check every front end runs when it reads its flags: the
+            # session's poster (writer rank, after the model is built) re-checks with the same
+            # function, so a URL accepted here is never refused there.
+            try:
+                check_webhook_url(self.alert_webhook)
+            except ValueError as exc:
+                raise ValueError(f"--mechmon-alert-webhook {exc}") from None
 
     @property
     def overlap(self) -> int:

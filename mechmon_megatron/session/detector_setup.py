@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional
 
 from mechmon_megatron.detect.null_model import JobShape, TailTable, load_tail_table, thresholds_for_job
 from mechmon_megatron.detect.pooled_cusum import (
     FAMILY_DIRECTIONS,
+    MIN_WARMUP_CHECKS,
     OPTIONAL_FAMILIES,
+    WARMUP_STEPS,
     PooledAlarm,
     PooledCusumDetector,
     SequentialConfig,
@@ -84,6 +87,93 @@ def families_without_signal(config: MechmonConfig, shape: JobShape) -> dict[str,
         "router_weights": "no MoE router is monitored (a dense model, or --mechmon-monitors without router)",
     }
     return {f: why.get(f, "no layer feeds it") for f in detector_families(config) if not shape.layers.get(f)}
+
+
+_FAMILY_LABELS = {"attn_delta2": "Delta2", "attn_dw": "dW", "attn_delta2_short": "short-window Delta2",
+                  "router_entropy": "routers", "router_weights": "routers"}
+
+
+def fed_families(config: MechmonConfig, layers: Mapping[str, Sequence[int]]) -> tuple[str, ...]:
+    """The detector families a job feeds, as one rank sees it: the families of ``layers`` (this
+    rank's sites, :func:`local_layers`), else every family the flags can feed."""
+    families = tuple(f for f in detector_families(config) if layers.get(f))
+    if families:
+        return families
+    wanted = {"attn": ("attn_",), "router": ("router_",)}
+    prefixes = tuple(p for m in config.monitors for p in wanted[m])
+    return tuple(f for f in detector_families(config) if f.startswith(prefixes))
+
+
+def first_value_step(config: MechmonConfig, family: str, start: int) -> int:
+    """The first check after ``start`` (the iteration training starts or resumes at) that gives a
+    stream of ``family`` a value. Routers: the first check. The attention families compare with a
+    snapshot one window old (``delta``; ``interval`` for the short window) that was taken at or
+    after ``start``: snapshots are not kept in checkpoints, so a restart waits one window."""
+    interval = config.interval
+    if family.startswith("router"):
+        window = 1
+    elif family == "attn_delta2_short":
+        window = interval
+    else:
+        window = config.delta
+    return interval * math.ceil((start + window) / interval)
+
+
+def held_values(detector_state: Optional[Mapping[str, Any]]) -> dict[str, int]:
+    """Family -> the most baseline values one stream of it holds in a saved detector state."""
+    held: dict[str, int] = {}
+    for family, _layer, _member, values in (detector_state or {}).get("trends", []):
+        held[family] = max(held.get(family, 0), len(values))
+    return held
+
+
+def arm_step(config: MechmonConfig, design: SequentialConfig, start: int, families: Iterable[str],
+             held: Mapping[str, int]) -> dict[str, int]:
+    """Family -> the check at which it gives the detector its first statistic (a residual, a
+    CUSUM: the ``mechmon/detect/*`` scalars), for a run that starts at ``start``.
+
+    The detector judges a stream once its baseline holds ``warmup`` values
+    (``TrendConfig.warmup``: ``max(5, ceil(200 / interval))`` checks, the 200-step warm-up of
+    ``pooled_cusum.warmup_checks``); every check with a value adds one. So a family arms
+    ``warmup - held`` checks after its first value, ``held`` being what the checkpoint's baselines
+    already hold. Exceptions make it later, never earlier: a routing entropy below its floor is
+    kept out of the baseline (the floor judges it), and an alarm restarts the baselines of its
+    layer or family."""
+    out = {}
+    for family in families:
+        need = max(0, design.trend_of(family).warmup - int(held.get(family, 0)))
+        out[family] = first_value_step(config, family, start) + need * config.interval
+    return out
+
+
+def arming_line(config: MechmonConfig, design: SequentialConfig, start: int, families: Sequence[str],
+                held: Mapping[str, int]) -> tuple[int, str]:
+    """``(step, why)``: the step the detector arms at (its first statistic, of any family) and
+    why then, for the start-up line (``[mechmon] detector arms at step N: why``)."""
+    steps = arm_step(config, design, start, families, held)
+    step = min(steps.values())
+    warmup = design.trend_of(families[0]).warmup
+    interval = config.interval
+    groups: dict[tuple[int, bool, int], list[str]] = {}
+    for family in families:
+        key = (first_value_step(config, family, start), family.startswith("router"), int(held.get(family, 0)))
+        label = _FAMILY_LABELS.get(family, family)
+        if label not in groups.setdefault(key, []):
+            groups[key].append(label)
+    firsts = []
+    for (first, _router, kept), labels in sorted(groups.items()):
+        notes = []
+        if any(label in ("Delta2", "dW") for label in labels):
+            notes.append(f"a snapshot --mechmon-delta {config.delta} steps old")
+        if kept:
+            notes.append("baseline from the checkpoint" if kept >= warmup else f"{kept} values from the checkpoint")
+        firsts.append(f"{'/'.join(labels)} at step {first}" + (f" ({', '.join(notes)})" if notes else ""))
+    why = (f"each stream's baseline needs {warmup} checks (the {WARMUP_STEPS}-step warm-up at --mechmon-interval "
+           f"{interval}, at least {MIN_WARMUP_CHECKS} checks) before the detector judges it; first values: "
+           f"{', '.join(firsts)}; "
+           f"until then no mechmon/detect/* scalars, and only non-finite values"
+           f"{' and the routing-entropy floor' if any(f.startswith('router') for f in families) else ''} alarm")
+    return step, why
 
 
 def load_detector_design(config: MechmonConfig) -> tuple[SequentialConfig, TailTable]:

@@ -64,6 +64,9 @@ class FailureLog:
         self.strict = strict
         self.errors = 0
         self.pending: list[PhaseFailure] = []
+        self.by_phase: dict[str, int] = {}
+        """Failures of this process per phase (``write``: the records the writers lost)."""
+        self.first_of_phase: dict[str, PhaseFailure] = {}
         self._logged: set[tuple[str, Optional[int], str]] = set()
 
     def run(self, phase: str, layer: Optional[int], iteration: int, fn: Callable[..., Any], *args: Any) -> Any:
@@ -80,6 +83,8 @@ class FailureLog:
         failure = PhaseFailure(self.rank, int(iteration), phase, layer, f"{type(exc).__name__}: {exc}")
         self.errors += 1
         self.pending.append(failure)
+        self.by_phase[phase] = self.by_phase.get(phase, 0) + 1
+        self.first_of_phase.setdefault(phase, failure)
         then = ("--mechmon-strict: every rank stops at this check" if self.strict
                 else "counted in mechmon/errors; training goes on")
         # The first of a kind with its traceback; a repeat at every check would bury the log (the

@@ -33,8 +33,11 @@ from mechmon_megatron.session.config import MechmonConfig
 from mechmon_megatron.session.detector_inputs import stream_observation
 from mechmon_megatron.session.detector_setup import (
     alert_of,
+    arming_line,
     build_detector,
     families_without_signal,
+    fed_families,
+    held_values,
     job_shape,
     load_detector_design,
     local_layers,
@@ -50,6 +53,7 @@ from mechmon_megatron.session.failures import (
 from mechmon_megatron.session.host import AttentionSite, Communicator, LocalCommunicator, RouterSite
 from mechmon_megatron.session.records import CheckOutput, Payload, Verdict, merge_partials
 from mechmon_megatron.session.router_check import empty_vector, local_router_vector, router_output
+from mechmon_megatron.session.runs import new_run_id
 from mechmon_megatron.session.snapshots import (
     PLACEMENTS,
     SnapshotStore,
@@ -131,6 +135,12 @@ class MonitoringSession:
         self.detector: Optional[PooledCusumDetector] = None
         self.detector_account: Optional[dict] = None
         self._pending_detector_state: Optional[dict] = None
+        # (interval, delta) of the monitor state a checkpoint gave this launch (None each when the
+        # state predates them); None: nothing loaded, a fresh start (records: a new run).
+        self._resumed_from: Optional[tuple[Optional[int], Optional[int]]] = None
+        self._arm_step: Optional[int] = None  # predicted at on_train_start (writer)
+        self._armed = False  # the "detector armed" line was printed
+        self._started = False
         self._local_layers = local_layers(config, self.attention_sites, self.router_sites)
         self._detector_design, self._tail_table = load_detector_design(config)  # fails here, not mid-run
         self._active_warnings: set = set()
@@ -154,6 +164,8 @@ class MonitoringSession:
         self._webhook: Optional[WebhookPoster] = None
         if config.enabled and config.alert_webhook and self.comm.is_writer:
             self._webhook = WebhookPoster(config.alert_webhook)
+        self._closed = False
+        self._checks_run = 0  # checks this launch ran (the closing line)
 
     def _reports(self) -> bool:
         """Whether this rank produces records at a check (a layer's per-head or full-matrix work, a
@@ -207,7 +219,12 @@ class MonitoringSession:
 
     # ------------------------------------------------------------------ host hooks
     def on_train_start(self, iteration: int) -> None:
-        """Take the first snapshot if the schedule needs one at the starting iteration."""
+        """Take the first snapshot if the schedule needs one at the starting iteration. The writer
+        starts this launch's run in the records and says when the detector arms (once)."""
+        if self.enabled and self.comm.is_writer and not self._started:
+            self._started = True
+            self._start_records(iteration)
+            self._announce_arming(iteration)
         if self.enabled and self.off is None and self.config.is_snapshot_step(iteration):
             self._timed(self._take_snapshot, iteration)
             off = self._agree_collectives(iteration)
@@ -242,6 +259,7 @@ class MonitoringSession:
         if stale:
             logger.info("[mechmon] dropped snapshots for check steps %s: their steps were skipped by the host", stale)
         if self.config.is_check_step(iteration):
+            self._checks_run += 1
             decision = self._check(iteration, drill)
         elif drill:
             decision = self._drill(iteration)
@@ -336,22 +354,44 @@ class MonitoringSession:
         detector = self.detector.state_dict() if self.detector is not None else self._pending_detector_state
         return {
             "version": STATE_VERSION,
+            # the schedule the detector's baselines were built at (a resume compares it with its own)
+            "interval": self.config.interval,
+            "delta": self.config.delta,
             "detector": detector,
             "checkpoints": list(self.checkpoints),
             "errors": self.errors,
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore a checkpoint's state (called before ``on_train_start``; it marks this launch a
+        resume, which continues its run in the records).
+
+        The state names the interval and delta its detector was built at. Another delta drops the
+        detector state: its baselines hold Delta2 / dW over the old window, and over another window
+        these are other statistics (level and spread depend on the update noise the window
+        averages), so the change of flag would read as a shift; the baselines rebuild. Another
+        interval with the same delta keeps it: a baseline is the last accepted values of the same
+        statistic, counted in checks, still samples of its healthy level and spread; the warm-up
+        length and the thresholds follow the new interval from the first check, and only the
+        per-check slope mixes two spacings until the window has refilled. ``on_train_start`` says
+        which happened, with the step the detector arms at (docs/METHOD.md, section 5)."""
         if not self.enabled or not state:
             return
         version = state.get("version")
+        if version not in (1, STATE_VERSION):
+            raise ValueError(f"mechmon state version {version} is not supported (expected {STATE_VERSION} or 1)")
+        self._resumed_from = (state.get("interval"), state.get("delta"))
         if version == 1:
             logger.warning(
                 "[mechmon] checkpoint holds detector state of mechmon 0.1 (per-stream rule); the whole-job "
                 "detector re-learns its baselines from the next checks"
             )
-        elif version != STATE_VERSION:
-            raise ValueError(f"mechmon state version {version} is not supported (expected {STATE_VERSION} or 1)")
+        elif state.get("delta") is not None and state["delta"] != self.config.delta:
+            # Delta2 and dW over another window are other statistics (their level and spread
+            # change with the window): baselines built at the old delta would judge them wrongly.
+            # The detector starts afresh; on_train_start says so, with the step it arms again at.
+            self.detector = None
+            self._pending_detector_state = None
         elif state.get("detector") is not None:
             if self.detector is not None:
                 self.detector.load_state_dict(state["detector"])
@@ -360,11 +400,77 @@ class MonitoringSession:
         self.checkpoints = list(state.get("checkpoints", []))
         self.failures.errors = int(state.get("errors", 0))
 
+    def _start_records(self, iteration: int) -> None:
+        """Writer: number this launch's records (``session/runs.py``). A fresh start in a log dir
+        that already holds records begins a new run there, and says so; a resume continues its run."""
+        start_run = getattr(self.writer, "start_run", None)
+        if not callable(start_run):
+            return
+        try:
+            marker = start_run(new_run_id(), iteration, self._resumed_from is not None, self.config.interval,
+                               self.config.delta)
+        except (OSError, ValueError) as exc:  # the records go on unnumbered; training never stops for them
+            logger.warning("[mechmon] could not write the run marker beside the records: %s", exc)
+            return
+        if marker is not None and not marker.resumed and marker.previous_run is not None:
+            logger.warning(
+                "[mechmon] a new run in a used log dir: records appended as run %d in %s (a fresh start, no monitor "
+                "state loaded; the rows before it are run %d; tools that read the records split the runs)",
+                marker.run, self.config.log_dir or "the records file", marker.previous_run)
+
+    def _announce_arming(self, iteration: int) -> None:
+        """Writer, at start-up: the step the detector arms at (its first statistic) and why then;
+        after a resume with another --mechmon-interval or --mechmon-delta, what happened to the
+        checkpoint's baselines (``load_state_dict``)."""
+        state = self.detector.state_dict() if self.detector is not None else self._pending_detector_state
+        families = fed_families(self.config, self._local_layers)
+        if not families:
+            return
+        step, why = arming_line(self.config, self._detector_design, iteration, families, held_values(state))
+        self._arm_step = step
+        old_interval, old_delta = self._resumed_from or (None, None)
+        cfg = self.config
+        changes = [f"--mechmon-{name} {now} (checkpoint: {then})"
+                   for name, now, then in (("interval", cfg.interval, old_interval), ("delta", cfg.delta, old_delta))
+                   if then is not None and then != now]
+        if old_delta is not None and old_delta != cfg.delta:
+            logger.warning("[mechmon] resumed with %s: detector baselines restart, armed again at step %d: %s",
+                           " and ".join(changes), step, why)
+        elif changes:
+            logger.warning(
+                "[mechmon] resumed with %s, same --mechmon-delta %d: detector baselines kept (their values are the "
+                "same %d-step statistics; the warm-up length and the thresholds follow the new interval), armed at "
+                "step %d: %s", changes[0], cfg.delta, cfg.delta, step, why)
+        else:
+            logger.info("[mechmon] detector arms at step %d: %s", step, why)
+
     def close(self) -> None:
-        if self.enabled:
-            self.writer.close()
-            if self._webhook is not None:
-                self._webhook.close(wait_s=2.0)  # bounded: an abort still exits within seconds
+        """Close the writers and the webhook (once). Never raises: a run that trained to its end
+        keeps its exit code when records could not be written (under ``--mechmon-strict`` the
+        check whose write failed has already stopped every rank). The writer rank says in one
+        line how many record writes failed during the run and at the close, and where."""
+        if not self.enabled or self._closed:
+            return
+        self._closed = True
+        closing: Optional[str] = None
+        try:
+            self.writer.close()  # flushes what is buffered: a full disk shows here
+        except Exception as exc:  # noqa: BLE001 -- counted and reported below
+            closing = f"{type(exc).__name__}: {exc}"
+        if self._webhook is not None:
+            self._webhook.close(wait_s=2.0)  # bounded: an abort still exits within seconds
+        failed = self.failures.by_phase.get("write", 0) + (closing is not None)
+        where = self.config.log_dir or "the host's writers (TensorBoard, W&B, the DeepSpeed monitor)"
+        if failed and self.comm.is_writer:
+            first = self.failures.first_of_phase.get("write")
+            logger.warning("[mechmon] %d record writes failed (first: %s): records in %s are incomplete", failed,
+                           first.describe() if first is not None else f"rank {self.rank}, closing the writers: "
+                                                                      f"{closing}", where)
+        if self.comm.is_writer:
+            alarms = ", ".join(f"{a.family} at {a.iteration}" for a in self.alerts) or "none"
+            state = "" if self.off is None else "; monitors off since a failure (see above)"
+            checks = f"{self._checks_run} check{'' if self._checks_run == 1 else 's'}"
+            logger.info("[mechmon] done: %s this launch, alarms: %s; records in %s%s", checks, alarms, where, state)
 
     # ------------------------------------------------------------------ internals
     def _timed(self, fn, *args):
@@ -556,11 +662,12 @@ class MonitoringSession:
             account = self.detector_account
             logger.info(
                 "[mechmon] detector: %d tests (layers %s), %.3g false alarms per 10^6 steps -> %.3g per test-check; "
-                "alarm thresholds %s",
+                "alarm thresholds %s%s",
                 account["tests"], account["layers"], account["false_alarm_rate_per_million_steps"],
                 account["per_test_check_probability"],
                 {f: (round(t["layer"]["alarm"], 2), round(t["family"]["alarm"], 2))
                  for f, t in account["thresholds"].items()},
+                "" if self._arm_step is None else f", judged from step {self._arm_step} (after the baselines' warm-up)",
             )
             silent = families_without_signal(self.config, shape)
             if silent:
@@ -599,6 +706,14 @@ class MonitoringSession:
             obs for payload in gathered for stream in payload.streams if (obs := stream_observation(stream)) is not None
         ]
         result = self._ensure_detector(gathered).update(iteration, observations)
+        if result.statistics and not self._armed:
+            self._armed = True
+            families = sorted({key.split("/", 1)[0] for key in result.statistics})
+            late = ("" if self._arm_step in (None, iteration) else
+                    f"; predicted at start-up: step {self._arm_step}, from the writer's own layers (a routing entropy "
+                    "below its floor, or an alarm's restart, keeps values out of a baseline)")
+            logger.info("[mechmon] detector armed at step %d (first mechmon/detect/* statistics: %s)%s", iteration,
+                        ", ".join(families), late)
         alerts.extend(alert_of(alarm, self.config, self._detector_design) for alarm in result.alarms)
         self._log_new_warnings(iteration, result.warnings)
         for family in result.misfits:  # once per family and job: the loud part of the misfit counter

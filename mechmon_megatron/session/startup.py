@@ -20,17 +20,20 @@ about at once (the monitors would then be off while the job looks watched):
   :data:`QUIET_SNAPSHOT_SETS` snapshot sets held at once is a warning with their memory.
 
 Errors are ``ValueError`` with one line naming the flag (or the file); the host turns them into
-exit status 2 without a traceback. Warnings are returned as lines for the host to log once.
+exit status 2 without a traceback. Warnings are returned as lines for the host to log once, on
+rank 0, through :func:`log_startup_warnings`; when the session is built, every host says what it
+watches through :func:`log_monitoring`, so a job prints the same start-up lines on every host.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from mechmon_megatron.detect.null_model import TAIL_LEVELS, JobShape, per_test_probability, thresholds_for_job
 from mechmon_megatron.session.config import MechmonConfig
@@ -44,8 +47,12 @@ __all__ = [
     "directory_problem",
     "graphed_router_message",
     "job_layers",
+    "log_monitoring",
+    "log_startup_warnings",
     "validate_startup",
 ]
+
+logger = logging.getLogger(__name__)
 
 QUIET_SNAPSHOT_SETS = 4
 """Snapshot sets (``ceil(delta / interval)``) held at once without a start-up warning."""
@@ -130,6 +137,33 @@ def validate_startup(config: MechmonConfig, facts: RunFacts = RunFacts()) -> Sta
         raise ValueError(graphed_router_message(facts.graphed_router))
     report.warnings += _schedule_warnings(config, facts)
     return report
+
+
+def log_startup_warnings(report: StartupReport, rank: int, rename: Optional[Callable[[str], str]] = None) -> None:
+    """Rank 0: one ``[mechmon]`` warning line per finding of :func:`validate_startup`, the same
+    lines on every host (``rename``: the host's names for the flags, e.g. DeepSpeed's JSON keys)."""
+    if rank != 0:
+        return
+    for line in report.warnings:
+        logger.warning("[mechmon] %s", rename(line) if rename is not None else line)
+
+
+def log_monitoring(config: MechmonConfig, attention_layers: int, routers: int, rank: int,
+                   attention_kind: str = "self-attention", router_kind: str = "MoE router") -> None:
+    """Rank 0, once the session is built: what it watches (layers, routers, schedule, action),
+    and a notice for each monitor family that found nothing to watch on this rank. Every host
+    calls this one function, so the start-up lines read the same whatever the host.
+
+    ``attention_kind`` / ``router_kind``: what the host looked for (its module names), for the
+    notices."""
+    if rank != 0:
+        return
+    if "attn" in config.monitors and not attention_layers:
+        logger.warning("[mechmon] no %s found on rank 0: attention monitors idle there", attention_kind)
+    if "router" in config.monitors and not routers:
+        logger.warning("[mechmon] no %s found on rank 0: router monitors idle (dense model?)", router_kind)
+    logger.info("[mechmon] monitoring %d attention layers and %d routers on rank 0 (interval %d, delta %d, "
+                "action %s)", attention_layers, routers, config.interval, config.delta, config.action)
 
 
 def graphed_router_message(setting: str) -> str:

@@ -9,6 +9,8 @@ import json
 import os
 from typing import Any, Iterable, Optional, Protocol
 
+from mechmon_megatron.session.runs import RUN_KEY, RUNS_FILE, RunMarker, last_record, run_of, utc_now
+
 
 class ScalarWriter(Protocol):
     def write_scalars(self, scalars: dict[str, float], step: int) -> None: ...
@@ -68,14 +70,38 @@ class WandbScalarWriter:
 
 
 class JsonlScalarWriter:
-    """One JSON object per check: ``{"step": t, "scalars": {...}}`` -- easy to read back in tools."""
+    """One JSON object per check: ``{"step": t, "scalars": {...}}`` -- easy to read back in tools.
+
+    After :meth:`start_run` each row also carries its run number (``"run"``, ``session/runs.py``),
+    so that a fresh start appended to a used file stays apart from the run before it."""
 
     def __init__(self, path: str) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.path = path
+        self.run: Optional[int] = None
         self._file = open(path, "a", encoding="utf-8")
 
+    def start_run(self, run_id: str, start_iteration: int, resumed: bool, interval: int,
+                  delta: int) -> RunMarker:
+        """Number this launch's rows and append its marker to ``mechmon_runs.jsonl`` beside the file.
+
+        A resume (monitor state loaded) continues the last run in the file; a fresh start begins
+        the next one when the file already holds records (run 1 otherwise)."""
+        last = last_record(self.path)
+        previous = run_of(last) if last is not None else None
+        run = (previous or 1) if resumed else (previous or 0) + 1
+        marker = RunMarker(run=run, run_id=run_id, start_iteration=int(start_iteration), resumed=bool(resumed),
+                           interval=int(interval), delta=int(delta), started=utc_now(), previous_run=previous)
+        with open(os.path.join(os.path.dirname(os.path.abspath(self.path)), RUNS_FILE), "a", encoding="utf-8") as f:
+            f.write(marker.to_json() + "\n")
+        self.run = run
+        return marker
+
     def write_scalars(self, scalars: dict[str, float], step: int) -> None:
-        self._file.write(json.dumps({"step": step, "scalars": scalars}, allow_nan=True) + "\n")
+        row: dict[str, Any] = {"step": step, "scalars": scalars}
+        if self.run is not None:
+            row[RUN_KEY] = self.run
+        self._file.write(json.dumps(row, allow_nan=True) + "\n")
 
     def flush(self) -> None:
         self._file.flush()
@@ -111,10 +137,29 @@ class WriterGroup:
         for writer in self.writers:
             writer.write_scalars(scalars, step)
 
+    def start_run(self, run_id: str, start_iteration: int, resumed: bool, interval: int,
+                  delta: int) -> Optional[RunMarker]:
+        """Start the run of every writer that numbers runs (the JSONL records); the first one's
+        marker, or None when no writer keeps records."""
+        markers = [writer.start_run(run_id, start_iteration, resumed, interval, delta)
+                   for writer in self.writers if isinstance(writer, JsonlScalarWriter)]
+        return markers[0] if markers else None
+
     def flush(self) -> None:
-        for writer in self.writers:
-            writer.flush()
+        _each(self.writers, "flush")
 
     def close(self) -> None:
-        for writer in self.writers:
-            writer.close()
+        _each(self.writers, "close")
+
+
+def _each(writers: Iterable[ScalarWriter], method: str) -> None:
+    """``writer.<method>()`` on every writer, then the first error: one failing writer (a full
+    disk under the log dir) neither keeps the others from their records nor hides its failure."""
+    first: Optional[BaseException] = None
+    for writer in writers:
+        try:
+            getattr(writer, method)()
+        except Exception as exc:  # noqa: BLE001 -- re-raised below, after the other writers
+            first = first or exc
+    if first is not None:
+        raise first

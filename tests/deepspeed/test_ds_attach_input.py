@@ -6,6 +6,8 @@ anything from it (any access would raise AttributeError instead of the ValueErro
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from mechmon_megatron.adapters.deepspeed import attach
@@ -56,3 +58,30 @@ def test_save_with_mechmons_key_is_refused_before_anything_is_written(tmp_path):
     with pytest.raises(ValueError, match=r"key\(s\) \['mechmon'\] are mechmon's"):
         wrapper._save_checkpoint(lambda *a, **k: saved.append(a), str(tmp_path), "t", {"mechmon": 1, "step": 3})
     assert saved == [] and not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("url", ["http://", "http://:80/x", "https://host:99999/", "ftp://x"])
+def test_bad_webhook_is_refused_at_attach_naming_the_key(url):
+    """Parsed whole when the section is read, before the engine is touched (never a ValueError from
+    the session's poster after the model is built)."""
+    with pytest.raises(ValueError, match=r"^ds_config\.mechmon\.alert_webhook must be an http:// or https:// URL"):
+        attach(object(), {"enabled": True, "monitors": ["router"], "alert_webhook": url})
+
+
+def test_section_without_enabled_is_refused_at_attach():
+    with pytest.raises(ValueError, match=r"^ds_config\.mechmon\.enabled is not set, but the section sets "
+                                         r"\['interval'\]"):
+        attach(object(), {"train_batch_size": 4, "mechmon": {"interval": 10}})
+    with pytest.raises(ValueError, match=r"^ds_config\.mechmon\.enabled is not set"):
+        attach(object(), {"interval": 10})  # a section dict
+
+
+def test_explicit_disabled_section_says_so_once(caplog):
+    caplog.set_level(logging.INFO, logger="mechmon_megatron")
+    off = attach(object(), {"train_batch_size": 4, "mechmon": {"enabled": False, "interval": 10}})
+    assert off.session.enabled is False
+    lines = [r.getMessage() for r in caplog.records if "not monitoring" in r.getMessage()]
+    assert lines == ["[mechmon] ds_config.mechmon is present with enabled: false: not monitoring"]
+    caplog.clear()
+    attach(object(), MechmonConfig(enabled=False))  # a config object: no section, nothing to say
+    assert not [r for r in caplog.records if "not monitoring" in r.getMessage()]

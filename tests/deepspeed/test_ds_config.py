@@ -37,8 +37,9 @@ def test_full_section_round_trip(tmp_path):
     assert (cfg.enabled, cfg.interval, cfg.delta, cfg.monitors, cfg.alpha) == (True, 10, 5, ("router",), 1.0)
     assert (cfg.action, cfg.exit_code, cfg.drill_at, cfg.false_alarm_rate) == ("checkpoint-and-abort", 43, 7, 0.5)
     assert cfg.extra == {"checkpoint_dir": "ckpt"}
-    assert parse_section({"router_min_effective_experts": 1.5}).router_min_effective_experts == 1.5
-    assert parse_section({"router_min_effective_experts": "off"}).router_min_effective_experts == 0.0
+    on = {"enabled": True}
+    assert parse_section({**on, "router_min_effective_experts": 1.5}).router_min_effective_experts == 1.5
+    assert parse_section({**on, "router_min_effective_experts": "off"}).router_min_effective_experts == 0.0
     assert parse_section({}).router_min_effective_experts == "topk"
 
 
@@ -85,3 +86,17 @@ def test_mapping_is_parsed():
     assert cfg.extra["attention_mapping"][0] == MappingEntry(match="blocks.*.attn", layout="separate", q="wq.weight",
                                                              k="wk.weight", num_heads=4)
     assert cfg.extra["attention_mapping"][1].skip
+
+
+@pytest.mark.parametrize("section", [{"interval": 10}, {"action": "checkpoint-and-abort", "checkpoint_dir": "ck"},
+                                     {"attention_mapping": []}])
+def test_section_without_enabled_is_refused_naming_the_key(section):
+    """Keys without "enabled" say the user wants monitoring: refused, not a silent disabled section."""
+    with pytest.raises(ValueError, match=r"^ds_config\.mechmon\.enabled is not set, but the section sets "
+                                         r"\[.*\]: add \"enabled\": true to monitor, or \"enabled\": false"):
+        config_from_ds_config({"train_batch_size": 4, "mechmon": section})
+
+
+def test_explicit_disabled_section_and_empty_section_are_accepted():
+    assert config_from_ds_config({"mechmon": {"enabled": False, "interval": 10}}).enabled is False
+    assert config_from_ds_config({"mechmon": {}}).enabled is False  # nothing asked for: as if absent

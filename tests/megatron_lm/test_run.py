@@ -79,6 +79,18 @@ def test_bad_flag_is_refused_at_parse_time_with_status_2(tmp_path, release):
     assert "INIT_DISTRIBUTED" not in proc.stdout and "BUILD_MODEL" not in proc.stdout  # no process group, no model
 
 
+def test_mechmon_flags_without_the_switch_are_refused_at_parse_time(tmp_path):
+    """Megatron parses sys.argv itself: the flags it was given are recorded by our provider's
+    parser, and the wrapped parse refuses them without --mechmon before anything starts."""
+    checkout = make_checkout(tmp_path, "core_v0.19", runnable=True)
+    proc = launch(RUN, checkout, "--train-iters", "3", "--mechmon-interval", "7", "--mechmon-strict")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert errors == ["mechmon: error: --mechmon-interval, --mechmon-strict given without --mechmon: add --mechmon to "
+                      "monitor, or drop them"], proc.stderr
+    assert "INIT_DISTRIBUTED" not in proc.stdout and "BUILD_MODEL" not in proc.stdout  # no process group, no model
+
+
 @pytest.mark.slow  # fast leg budget (tests/README.md): runs in `make test-slow` and in CI
 def test_unknown_mechmon_flag_is_refused_by_the_parser(tmp_path):
     checkout = make_checkout(tmp_path, "core_v0.19", runnable=True)

@@ -87,3 +87,47 @@ def test_bad_flag_fails_at_startup_naming_it(argv, flag, capsys):
         validate_mechmon_args(parser, args)
     assert exc.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+def _trainer_parser():
+    """The real example trainer's parser with the mechmon flags (what ``python -m gpt_trainer`` parses)."""
+    pytest.importorskip("megatron.core")
+    from gpt_trainer.args import build_parser
+
+    return build_parser([add_mechmon_args])
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--mechmon-interval", "5", "--mechmon-action", "log"], "--mechmon-interval, --mechmon-action"),
+        (["--mechmon-exit-code", "42"], "--mechmon-exit-code"),  # the default value, given: still a mechmon flag
+        (["--mechmon-strict"], "--mechmon-strict"),
+        (["--mechmon-log-dir=runs/x", "--mechmon-log-dir", "runs/y"], "--mechmon-log-dir"),  # named once
+        (["--mechmon-alert-webhook", "https://hooks.example/x"], "--mechmon-alert-webhook"),
+    ],
+)
+def test_mechmon_flags_without_the_switch_are_refused(argv, named, capsys):
+    """A user who wrote --mechmon-* flags wants monitoring: without --mechmon the job would train
+    unwatched with no word, so the parse fails, naming the flags and the switch."""
+    parser = _trainer_parser()
+    args = parser.parse_args(["--train-iters", "10", *argv])
+    with pytest.raises(SystemExit) as exc:
+        validate_mechmon_args(parser, args)
+    assert exc.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert errors == [f"{parser.prog}: error: {named} given without --mechmon: add --mechmon to monitor, or drop "
+                      f"{'them' if ',' in named else 'it'}"]
+
+
+def test_given_flags_are_what_the_command_line_named_not_values_off_their_defaults():
+    from mechmon_megatron.cli.args import given_mechmon_flags
+
+    parser = _trainer_parser()
+    assert given_mechmon_flags(parser.parse_args([])) == ()
+    assert given_mechmon_flags(parser.parse_args(["--mechmon-interval", "100"])) == ("--mechmon-interval",)
+    args = parser.parse_args(["--mechmon", "--mechmon-delta=7", "--mechmon-no-full-matrix-dw"])
+    assert given_mechmon_flags(args) == ("--mechmon", "--mechmon-delta", "--mechmon-no-full-matrix-dw")
+    validate_mechmon_args(parser, args)  # with the switch: accepted
+    assert not config_from_args(parser.parse_args([])).enabled
+    validate_mechmon_args(parser, parser.parse_args(["--train-iters", "10"]))  # no mechmon flag at all: plain run

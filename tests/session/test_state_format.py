@@ -12,7 +12,8 @@ from mechmon_megatron.session.config import MechmonConfig
 from mechmon_megatron.session.session import MonitoringSession
 from mechmon_megatron.session.state_format import PER_RANK_FORMAT, STATE_KEY, own_state, per_rank, state_of
 
-STATE = {"version": 2, "detector": None, "checkpoints": [{"iteration": 4, "path": "x"}], "errors": 3}
+STATE = {"version": 2, "interval": 100, "delta": 100, "detector": None, "checkpoints": [{"iteration": 4, "path": "x"}],
+         "errors": 3}
 
 
 def test_the_session_is_a_stateful_object_whose_state_round_trips():

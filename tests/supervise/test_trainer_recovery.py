@@ -60,6 +60,8 @@ def test_drill_is_recovered_from_the_change_point(tmp_path: Path):
     kept = save / "mechmon_aborted" / "launch-1" / "iter_0000012"  # the abort checkpoint, moved aside
     assert (kept / "metadata.json").is_file() and (kept / "mechmon_alert.json").is_file()
     assert "saved checkpoint at iteration 5 to" in out.output and "training done at iteration 16" in out.output
+    assert "[mechmon] done: 2 checks this launch, alarms: drill at 12; records in" in out.output  # checks 5, 10
+    assert "[mechmon] done: 1 check this launch, alarms: none" in out.output  # the relaunch: check 15
     events = [(b["mechmon"]["event"], b["mechmon"].get("family") or b["mechmon"].get("action")) for b in hook.bodies]
     assert events == [("alarm", "drill"), ("recovery", "relaunch"), ("recovery", "stop")], events
 

@@ -7,6 +7,7 @@ mechmon-megatron, so the fault study and the benchmarks start it by module) and
 
 from __future__ import annotations
 
+import logging
 from typing import Optional, Sequence
 
 from mechmon_megatron.adapters.megatron_core import MechmonCallback
@@ -18,6 +19,8 @@ from .main import main
 
 def run(argv: Optional[Sequence[str]] = None) -> int:
     providers = [add_mechmon_args]
+    # As main() configures it: the start-up check's warnings below print as every later line does.
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     # Fail fast, naming the flag, before any process group or model exists.
     parser = build_parser(providers)
     validate_mechmon_args(parser, parser.parse_args(argv))

@@ -11,11 +11,23 @@ checkpoint's ``client_state``. See docs/DEEPSPEED.md.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Callable, Mapping, Optional, Union
 
-from mechmon_megatron.adapters.deepspeed.config import config_from_ds_config, parse_section, read_ds_config
-from mechmon_megatron.adapters.deepspeed.engine_hooks import CLIENT_ALERT_KEY, CLIENT_STATE_KEY, MechmonDeepSpeed
+from mechmon_megatron.adapters.deepspeed.config import (
+    PREFIX,
+    SECTION,
+    config_from_ds_config,
+    parse_section,
+    read_ds_config,
+)
+from mechmon_megatron.adapters.deepspeed.engine_hooks import (
+    CLIENT_ALERT_KEY,
+    CLIENT_STATE_KEY,
+    MechmonDeepSpeed,
+    _rank,
+)
 from mechmon_megatron.session.config import MechmonConfig
 
 __all__ = [
@@ -26,6 +38,8 @@ __all__ = [
     "CLIENT_STATE_KEY",
     "CLIENT_ALERT_KEY",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 def _engine_ds_config(engine: Any) -> dict:
@@ -55,14 +69,21 @@ def attach(
     checkpoint-and-abort holds it beside mechmon's keys, so a resume from that checkpoint
     restores it. It is called once here to check it (a mapping with none of mechmon's keys
     ``"mechmon"`` / ``"mechmon_alert"``). The abort folder is checked here too. Bad input raises
-    ``ValueError`` naming the key. A disabled config returns an object that does nothing.
+    ``ValueError`` naming the key. A disabled config returns an object that does nothing (a
+    section written with ``"enabled": false`` says so in one line on rank 0).
     """
-    if config is None:
-        config = config_from_ds_config(_engine_ds_config(engine))
+    section: Any = None  # the "mechmon" section as written, when attach reads one
+    if config is None or isinstance(config, (str, os.PathLike)):
+        whole = _engine_ds_config(engine) if config is None else read_ds_config(config)
+        section = whole.get(SECTION)
+        config = config_from_ds_config(whole)
     elif isinstance(config, Mapping):
-        config = config_from_ds_config(config) if "mechmon" in config else parse_section(config)
-    elif isinstance(config, (str, os.PathLike)):
-        config = config_from_ds_config(config)
+        section = config.get(SECTION) if SECTION in config else config
+        config = config_from_ds_config(config) if SECTION in config else parse_section(config)
     if not isinstance(config, MechmonConfig):
         raise TypeError(f"attach(config=...) takes a MechmonConfig, a dict or a JSON path, got {type(config).__name__}")
+    if isinstance(section, Mapping) and section.get("enabled") is False and _rank() == 0:
+        # Written on purpose, but a job that trains unwatched says so once (parse_section refuses
+        # a section with keys and no "enabled").
+        logger.warning("[mechmon] %s is present with enabled: false: not monitoring", PREFIX)
     return MechmonDeepSpeed(engine, config, checkpoint_dir=checkpoint_dir, client_state_fn=client_state_fn)

@@ -14,7 +14,9 @@ Example::
     "mechmon": {"enabled": true, "interval": 10, "delta": 10, "monitors": ["attn", "router"],
                 "action": "checkpoint-and-abort", "exit_code": 42}
 
-Every error names the key, e.g. ``ds_config.mechmon.interval must be >= 1, got 0``.
+Every error names the key, e.g. ``ds_config.mechmon.interval must be >= 1, got 0``. A section
+with keys must say ``"enabled"`` (true, or false to keep it without monitoring, which ``attach``
+reports in one line); only an absent or empty section is silently disabled.
 """
 
 from __future__ import annotations
@@ -82,12 +84,17 @@ def parse_section(section: Mapping[str, Any]) -> MechmonConfig:
     try:
         config = MechmonConfig(**kwargs, extra=extra)
     except ValueError as exc:  # MechmonConfig names the flag; name the JSON key instead
-        raise ValueError(_as_key_message(str(exc))) from None
+        raise ValueError(as_key_message(str(exc))) from None
+    if section and "enabled" not in section:
+        # Keys say the user wants the run watched; a disabled default would train it unwatched
+        # without a word. An empty section asks for nothing (as if absent).
+        raise ValueError(f"{PREFIX}.enabled is not set, but the section sets {sorted(section)}: add \"enabled\": true "
+                         f"to monitor, or \"enabled\": false to keep the section without monitoring")
     try:  # the start-up check every host runs (session/startup.py), in this config's key names
         validate_startup(config, RunFacts(save_dir=extra.get("checkpoint_dir") or config.log_dir,
                                           save_flag=f"{PREFIX}.checkpoint_dir (or {PREFIX}.log_dir)"))
     except ValueError as exc:
-        raise ValueError(_as_key_message(str(exc))) from None
+        raise ValueError(as_key_message(str(exc))) from None
     if config.weights != "main":
         raise ValueError(f"{PREFIX}.weights: the DeepSpeed adapter reads the FP32 master weights the optimizer "
                          f"updates (safe_get_full_fp32_param); \"model\" is not supported, got {config.weights!r}")
@@ -129,7 +136,7 @@ def _typed(key: str, value: Any) -> Any:
     raise AssertionError(f"no type rule for {key}")  # every field has one (tests pin this)
 
 
-def _as_key_message(message: str) -> str:
+def as_key_message(message: str) -> str:
     """``--mechmon-exit-code must ...`` -> ``ds_config.mechmon.exit_code must ...``."""
     message = re.sub(r"--mechmon-([a-z0-9-]+)", lambda m: f"{PREFIX}.{m.group(1).replace('-', '_')}", message)
     return message if message.startswith(PREFIX) else f"{PREFIX}: {message}"

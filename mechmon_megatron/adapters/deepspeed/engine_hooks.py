@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from mechmon_megatron.adapters.deepspeed.attention_layouts import FoundAttention, find_attention, layer_numbers
-from mechmon_megatron.adapters.deepspeed.config import PREFIX, checkpoint_dir_of
+from mechmon_megatron.adapters.deepspeed.config import PREFIX, as_key_message, checkpoint_dir_of
 from mechmon_megatron.adapters.deepspeed.gate_capture import find_gates, install_gate_capture
 from mechmon_megatron.adapters.deepspeed.weights import read_full_param, read_is_collective
 from mechmon_megatron.session.collective_guard import CollectiveFailure, CollectivesOff, guard
@@ -64,7 +64,13 @@ from mechmon_megatron.session.host import (
     TorchDistributedCommunicator,
 )
 from mechmon_megatron.session.session import Decision, MonitoringSession
-from mechmon_megatron.session.startup import RunFacts, validate_startup
+from mechmon_megatron.session.startup import (
+    RunFacts,
+    StartupReport,
+    log_monitoring,
+    log_startup_warnings,
+    validate_startup,
+)
 from mechmon_megatron.session.state_format import STATE_KEY, own_state, per_rank, state_of
 from mechmon_megatron.session.writers import (
     EventListWriter,
@@ -199,7 +205,8 @@ class MechmonDeepSpeed:
         if not config.enabled:
             self.session = MonitoringSession(config)  # disabled: allocates nothing, no hooks
             return
-        self._validate_abort_inputs()  # bad input is refused here, before any hook or allocation
+        report = self._validate_abort_inputs()  # bad input is refused here, before any hook or allocation
+        log_startup_warnings(report, _rank(), rename=as_key_message)  # the trainer logs these at its parse
         # No tensor parallelism here: the reporting ranks send their records straight to the writer (one level).
         self.comm = TorchDistributedCommunicator(writer_rank=WRITER_RANK) if _distributed() else LocalCommunicator()
         model = engine.module
@@ -213,16 +220,10 @@ class MechmonDeepSpeed:
         self._wrap("step", self._step)
         self._wrap("save_checkpoint", self._save_checkpoint)
         self._wrap("load_checkpoint", self._load_checkpoint)
-        if _rank() == 0:
-            logger.info(
-                "[mechmon] DeepSpeed: monitoring %d attention layers and %d MoE gates "
-                "(interval %d, delta %d, action %s)",
-                len(self._attention_sites),
-                len(self._router_sites),
-                config.interval,
-                config.delta,
-                config.action,
-            )
+        # The start-up lines every host prints (session/startup.py), rank 0 only.
+        log_monitoring(config, len(self._attention_sites), len(self._router_sites), _rank(),
+                       attention_kind=f"self-attention (a known Q/K layout, or {PREFIX}.attention_mapping)",
+                       router_kind="deepspeed.moe TopKGate")
 
     # ------------------------------------------------------------------ construction
     def _build_attention_sites(self, model: torch.nn.Module) -> list[AttentionSite]:
@@ -263,8 +264,6 @@ class MechmonDeepSpeed:
             self._handles.append(install_gate_capture(gate, site, lambda: self.session.capturing))
             self._routers.append(reader)
             sites.append(site)
-        if not gates and _rank() == 0:
-            logger.warning("[mechmon] no deepspeed.moe TopKGate found: router monitors idle (dense model?)")
         return sites
 
     def _build_writer(self) -> WriterGroup:
@@ -295,8 +294,9 @@ class MechmonDeepSpeed:
         self._originals[method] = original
         setattr(self.engine, method, functools.wraps(original)(functools.partial(replacement, original)))
 
-    def _validate_abort_inputs(self) -> None:
-        """checkpoint-and-abort's folder and the user's client state, checked at ``attach``.
+    def _validate_abort_inputs(self) -> StartupReport:
+        """The start-up check of every host (``session/startup.py``) with checkpoint-and-abort's
+        folder, and the user's client state, at ``attach``; returns the check's warnings.
 
         ``ValueError`` naming the key: no folder to save to (``checkpoint_dir`` / ``log_dir``) or
         one this process cannot write; a ``client_state_fn`` that is not callable, raises, or
@@ -307,17 +307,17 @@ class MechmonDeepSpeed:
                 raise ValueError(f"attach(client_state_fn=...) must be a callable returning the user's client_state "
                                  f"dict, got {type(self.client_state_fn).__name__}")
             user_client_state(self.client_state_fn, "attach(client_state_fn=...)")
-        if self.config.action != "checkpoint-and-abort":
-            return
+        abort = self.config.action == "checkpoint-and-abort"
         directory = self.checkpoint_dir or self.config.log_dir
         flag = f"{PREFIX}.checkpoint_dir (attach(checkpoint_dir=...) or {PREFIX}.log_dir)"
         try:  # the start-up rule of every host, on the folder the abort will really use
-            validate_startup(self.config, RunFacts(save_dir=directory, save_flag=flag))
+            report = validate_startup(self.config, RunFacts(save_dir=directory, save_flag=flag if abort else None))
         except ValueError as exc:
-            raise ValueError(str(exc).replace("--mechmon-action", f"{PREFIX}.action")) from None
-        if self.client_state_fn is None and _rank() == 0:
+            raise ValueError(as_key_message(str(exc))) from None
+        if abort and self.client_state_fn is None and _rank() == 0:
             logger.info("[mechmon] the checkpoint-and-abort checkpoint holds no client state of the training loop "
                         "(sampler position, counters): pass attach(engine, client_state_fn=...) to include it")
+        return report
 
     def _start(self, iteration: int) -> None:
         self.session.on_train_start(iteration)

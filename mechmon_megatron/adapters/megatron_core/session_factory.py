@@ -17,7 +17,7 @@ from mechmon_megatron.session.config import MechmonConfig
 from mechmon_megatron.session.host import LocalCommunicator, TorchDistributedCommunicator
 from mechmon_megatron.session.host_settings import graphed_router
 from mechmon_megatron.session.session import MonitoringSession
-from mechmon_megatron.session.startup import graphed_router_message
+from mechmon_megatron.session.startup import graphed_router_message, log_monitoring
 from mechmon_megatron.session.writers import JsonlScalarWriter, ScalarWriter, TensorBoardScalarWriter, WriterGroup
 
 logger = logging.getLogger(__name__)
@@ -197,17 +197,6 @@ def build_mcore_session(
 
 def _notice(config: MechmonConfig, found_attention: list, found_routers: list) -> None:
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    if rank != 0:
-        return
-    if "attn" in config.monitors and not found_attention:
-        logger.warning("[mechmon] no self-attention (linear_qkv) found on rank 0: attention monitors idle there")
-    if "router" in config.monitors and not found_routers:
-        logger.warning("[mechmon] no MoE router found on rank 0: router monitors idle (dense model?)")
-    logger.info(
-        "[mechmon] monitoring %d attention layers and %d routers on rank 0 (interval %d, delta %d, action %s)",
-        len(found_attention),
-        len(found_routers),
-        config.interval,
-        config.delta,
-        config.action,
-    )
+    # The start-up lines every host prints (session/startup.py), rank 0 only.
+    log_monitoring(config, len(found_attention), len(found_routers), rank,
+                   attention_kind="self-attention (linear_qkv)", router_kind="MoE router")

@@ -15,6 +15,7 @@ from mechmon_megatron.research.study.analysis import RunData, read_jsonl
 from mechmon_megatron.research.study.campaign import SCALARS_FILE, read_status, run_dir
 from mechmon_megatron.research.study.long_plan import CampaignRun, plan_campaign
 from mechmon_megatron.research.study.scenarios import MECHMON_DIR, METRICS_FILE
+from mechmon_megatron.session.runs import split_runs
 
 
 @dataclass
@@ -73,15 +74,45 @@ def scalars_path(path: str) -> str:
     return candidate
 
 
-def load_checks(path: str) -> list[tuple[int, dict[str, float]]]:
-    """The recorded checks of one run (a run directory, its ``mechmon_scalars.jsonl``, or a record
-    exported by ``tools/detector_study.py export``, ``*.json.gz``), sorted by step;
-    FileNotFoundError / ValueError name the path."""
+def load_runs(path: str) -> list[list[tuple[int, dict[str, float]]]]:
+    """The recorded checks of each run in ``path`` (a run directory, its ``mechmon_scalars.jsonl``,
+    or a record exported by ``tools/detector_study.py export``, ``*.json.gz``), each sorted by step;
+    FileNotFoundError / ValueError name the path.
+
+    A records file holds one run per fresh start into its log dir (the rows' ``run`` numbers,
+    ``session/runs.py``); a resume, or a relaunch by ``mechmon-supervise`` after a rollback,
+    continues its run, whose repeated iterations stay in it (sorted by step, duplicates kept, as
+    a file of one run always loaded). A file without run numbers is one run."""
     if path.endswith(".json.gz") and os.path.isfile(path):
         from mechmon_megatron.research.study.campaign_records import load_record  # it imports this module
 
-        return load_record(path).data.checks
+        return [load_record(path).data.checks]
     rows = read_jsonl(scalars_path(path))
     if not rows:
         raise ValueError(f"{path}: no checks recorded")
-    return RunData.from_rows([], rows).checks
+    return [RunData.from_rows([], run).checks for run in split_runs(rows)]
+
+
+def load_checks(path: str) -> list[tuple[int, dict[str, float]]]:
+    """The recorded checks of the one run in ``path`` (see :func:`load_runs`), sorted by step;
+    ValueError when the file holds several runs (fresh starts appended to one log dir): a series
+    that joined them would read the second start as a change inside one run."""
+    runs = load_runs(path)
+    if len(runs) > 1:
+        raise ValueError(f"{path}: holds {len(runs)} runs (fresh starts into one --mechmon-log-dir); read them "
+                         "one by one with load_runs")
+    return runs[0]
+
+
+def load_named_runs(paths: list[str], name_of=None) -> tuple[list[list[tuple[int, dict[str, float]]]], list[str]]:
+    """Every run of every path, and a name for each: the path's name (``name_of``, default its
+    base name), with ``#run K`` when its file holds several runs."""
+    series: list[list[tuple[int, dict[str, float]]]] = []
+    names: list[str] = []
+    for path in paths:
+        name = name_of(path) if name_of is not None else os.path.basename(os.path.normpath(path))
+        runs = load_runs(path)
+        for k, run in enumerate(runs, start=1):
+            series.append(run)
+            names.append(name if len(runs) == 1 else f"{name}#run{k}")
+    return series, names
