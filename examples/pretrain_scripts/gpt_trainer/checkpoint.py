@@ -120,11 +120,44 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
     return path
 
 
+_GROUP_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr", "start_wd", "end_wd", "optimizer")
+"""The param-group keys megatron-core matches saved groups by, besides ``max_lr`` / ``min_lr``."""
+
+
+def use_flag_lr_bounds(saved: Any, current_groups: list[dict]) -> int:
+    """Give every saved optimizer param group (any nesting of dicts and lists) the ``max_lr`` /
+    ``min_lr`` of its current counterpart (the same other keys, in order); returns how many.
+
+    With ``--override-opt_param-scheduler`` the flags' LR schedule wins. megatron-core restores
+    each group's bounds from the checkpoint and, from 0.19 on, matches the saved groups to the
+    current ones by them, so a resume with another ``--lr`` would fail ("Could not find parameter
+    group with key ...") before the flags could win; this runs before the optimizer state loads."""
+    changed = 0
+    if isinstance(saved, dict):
+        groups = saved.get("param_groups")
+        if isinstance(groups, list):
+            queues: dict[tuple, list[dict]] = {}
+            for group in current_groups:
+                queues.setdefault(tuple(group.get(k) for k in _GROUP_KEYS), []).append(group)
+            for group in groups:
+                queue = queues.get(tuple(group.get(k) for k in _GROUP_KEYS)) if isinstance(group, dict) else None
+                if queue and "max_lr" in group:
+                    current = queue.pop(0)
+                    group["max_lr"], group["min_lr"] = current["max_lr"], current["min_lr"]
+                    changed += 1
+        changed += sum(use_flag_lr_bounds(v, current_groups) for k, v in saved.items() if k != "param_groups")
+    elif isinstance(saved, (list, tuple)):
+        changed += sum(use_flag_lr_bounds(v, current_groups) for v in saved)
+    return changed
+
+
 def load_checkpoint(root: str, model_chunks, optimizer, scheduler,
-                    step: Optional[int] = None) -> tuple[int, dict[str, Any], Optional[dict]]:
+                    step: Optional[int] = None, flag_lr_bounds: bool = False
+                    ) -> tuple[int, dict[str, Any], Optional[dict]]:
     """Load the checkpoint of iteration ``step`` (default: the tracker's, the latest) under
     ``root``; returns (iteration, extra state dict, this rank's monitor state or None). The
-    tracker file is only read."""
+    tracker file is only read. ``flag_lr_bounds``: the optimizer groups keep the LR bounds the
+    flags gave them (:func:`use_flag_lr_bounds`; ``--override-opt_param-scheduler``)."""
     iteration = read_tracker(root) if step is None else step
     if iteration is None:
         raise ValueError(f"--load {root!r}: no {TRACKER} found (nothing saved there yet?).")
@@ -136,6 +169,8 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler,
     state = dist_checkpointing.load(template, path)
     for i, chunk in enumerate(model_chunks):
         chunk.module.load_state_dict(state["model" if i == 0 else f"model{i}"])
+    if flag_lr_bounds:
+        use_flag_lr_bounds(state["optimizer"], list(optimizer.param_groups))
     optimizer.load_state_dict(state["optimizer"])
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     extra_path = os.path.join(path, EXTRA_DIR, f"rank_{rank:05d}.pt")

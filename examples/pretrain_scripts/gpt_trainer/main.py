@@ -118,7 +118,8 @@ def main(argv: Optional[Sequence[str]] = None,
     iteration = 0
     if args.load:
         iteration, extra, monitor_state = load_checkpoint(args.load, model_chunks, optimizer, scheduler,
-                                                          step=args.ckpt_step)
+                                                          step=args.ckpt_step,
+                                                          flag_lr_bounds=args.override_opt_param_scheduler)
         # the other callbacks' states; mechmon's came from the distributed checkpoint (or, in an
         # older checkpoint, from the extra file, with a notice)
         states = {name: sd for name, sd in extra.get("callbacks", {}).items() if name != STATE_KEY}
