@@ -2,6 +2,7 @@
 
 * ``spectral``: spectral entropy / effective rank / stable rank of singular-value spectra.
 * ``qk_increment``: per-head singular values of the QK increments Delta1, Delta2, Delta3.
+* ``mla_increment``: per-head singular values of Delta2 for multi-head latent attention (MLA).
 * ``update_spectrum``: singular values of a weight increment dW (exact or randomized).
 * ``router``: full-softmax routing entropy, router-weight similarity, load statistics.
 
@@ -9,6 +10,7 @@ The formulas are stated in docs/METHOD.md. (The symptom-level rules the monitors
 with live in the research package, ``mechmon_megatron.research.baselines``.)
 """
 
+from mechmon_megatron.monitors.mla_increment import MLAWeights, mla_delta2_singular_values
 from mechmon_megatron.monitors.qk_increment import qk_increment_singular_values
 from mechmon_megatron.monitors.router import (
     RouterEntropySummary,
@@ -29,10 +31,12 @@ from mechmon_megatron.monitors.update_spectrum import (
 )
 
 __all__ = [
+    "MLAWeights",
     "RouterEntropySummary",
     "expert_load",
     "load_fractions",
     "max_violation",
+    "mla_delta2_singular_values",
     "per_head_update_singular_values",
     "qk_increment_singular_values",
     "router_conditioning_ratio",

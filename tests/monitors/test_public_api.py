@@ -8,6 +8,7 @@ import mechmon_megatron.monitors as monitors
 PUBLIC = [
     "spectral_stats",
     "qk_increment_singular_values",
+    "mla_delta2_singular_values",
     "update_singular_values",
     "routing_entropy",
     "router_weight_similarity",
