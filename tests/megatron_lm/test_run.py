@@ -139,7 +139,7 @@ def test_cpu_launcher_runs_an_unmodified_script_through_mechmon_run(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ALLOW_NO_CUDA True" in proc.stdout and "HOOKED True" in proc.stdout
     assert "SCRIPT_TORCH _TrainingCpuTorch" in proc.stdout  # the script's own torch global is proxied
-    bad = launch(CPU, checkout, "--mechmon-interval", "0")
+    bad = launch(CPU, checkout, "--mechmon", "--mechmon-interval", "0")
     assert bad.returncode == 2 and "--mechmon-interval must be >= 1" in bad.stderr, bad.stderr
 
 
