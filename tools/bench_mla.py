@@ -34,8 +34,7 @@ import datetime
 import json
 import os
 import platform
-import statistics
-import time
+import sys
 from collections.abc import Callable, Sequence
 
 import torch
@@ -43,6 +42,9 @@ import torch
 from mechmon_megatron.monitors.mla_increment import MLAWeights, mla_delta2_singular_values
 from mechmon_megatron.monitors.qk_increment import _fit
 from mechmon_megatron.plan.report import cpu_name
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling benchmark, also when loaded by path
+import bench_monitors  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 REL_FLOOR = 1e-6
@@ -185,27 +187,9 @@ def flops(args: argparse.Namespace) -> dict[str, float]:
     }
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed(fn: Callable[[], object], repeats: int, device: torch.device) -> tuple[float, object]:
-    """Median wall time of ``fn`` (first call is a warm-up unless it is slow) and its last result."""
-    _sync(device)
-    start = time.perf_counter()
-    result = fn()
-    _sync(device)
-    first = time.perf_counter() - start
-    if first > SLOW_CALL_S:
-        return first, result
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
+    """``bench_monitors.timed`` with this benchmark's slow-call limit."""
+    return bench_monitors.timed(fn, repeats, slow_call_s=SLOW_CALL_S, device=device)
 
 
 def max_rel_err(est: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:

@@ -92,17 +92,27 @@ def make_layer(args: argparse.Namespace) -> tuple[torch.Tensor, ...]:
     return wq_prev, wk_prev, wq_now, wk_now
 
 
-def timed(fn: Callable[[], object], repeats: int) -> tuple[float, object]:
-    """Median wall time of ``fn`` (first call is a warm-up unless it is slow) and its last result."""
+def timed(fn: Callable[[], object], repeats: int, slow_call_s: float = SLOW_CALL_S,
+          device: torch.device | None = None) -> tuple[float, object]:
+    """Median wall time of ``fn`` (first call is a warm-up unless it takes over ``slow_call_s``)
+    and its last result; on a CUDA ``device`` each call is timed to its synchronisation."""
+
+    def sync() -> None:
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    sync()
     start = time.perf_counter()
     result = fn()
+    sync()
     first = time.perf_counter() - start
-    if first > SLOW_CALL_S:
+    if first > slow_call_s:
         return first, result
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         result = fn()
+        sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times), result
 

@@ -256,6 +256,19 @@ def _interleave(d_part: Tensor, w_part: Tensor, d_nope: int) -> Tensor:
     return torch.cat([d_part[:, :d_nope], w_part[:, :d_nope], d_part[:, d_nope:], w_part[:, d_nope:]], dim=1)
 
 
+def _scaled_up_factors(
+    up_prev: Tensor, up_now: Tensor, norm_prev: Tensor | None, norm_now: Tensor | None,
+    heads: slice, rows_per_head: int, rows: slice, rank: int, device: torch.device,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """An up projection times its latent norm's gamma, per head: ``(U diag(g), dU diag(g') +
+    U diag(dg), U' diag(g'))``, each ``[c, rows, rank]``, primes at ``t``. The middle one is the
+    increment of ``U diag(g)`` written so that each term comes from an exact difference of weights."""
+    up0 = _head_rows(up_prev, heads, rows_per_head, rows)
+    up1 = _head_rows(up_now, heads, rows_per_head, rows)
+    g1, dg = _gammas(norm_prev, norm_now, rank, device)
+    return up0 * (g1 - dg), (up1 - up0) * g1 + up0 * dg, up1 * g1
+
+
 def _query_factor_latent(
     prev: MLAWeights, now: MLAWeights, basis: Tensor, heads: slice, d_nope: int, d_qk: int
 ) -> Tensor:
@@ -265,18 +278,13 @@ def _query_factor_latent(
     m = basis.shape[0]
     r_0 = basis[: min(m, r_q), :r_q]  # U^T Qd^T: zero below row r_q (upper trapezoidal)
     r_d = basis[:, r_q:]  # U^T dQd^T
-    all_rows = slice(0, d_qk)
-    up0 = _head_rows(prev.q_up, heads, d_qk, all_rows)  # [c, d_qk, r_q]
-    up1 = _head_rows(now.q_up, heads, d_qk, all_rows)
-    g1, dg = _gammas(prev.q_norm, now.q_norm, r_q, basis.device)
-    g0 = g1 - dg
-    # Row layout: A = Qup diag(g) Qd, so A^T's coefficients (U^T A^T)^T = (Qup diag(g)) R_block^T.
-    a0 = up0 * g0
+    # Row layout: A = Qup diag(g) Qd, so A^T's coefficients (U^T A^T)^T = (Qup diag(g)) R_block^T;
     # dA = Qup' diag(g') dQd + (dQup diag(g') + Qup diag(dg)) Qd: exact, each term from a difference.
-    e = (up1 - up0) * g1 + up0 * dg
-    c = up0.shape[0]
+    a0, e, up1_g1 = _scaled_up_factors(prev.q_up, now.q_up, prev.q_norm, now.q_norm, heads, d_qk,
+                                       slice(0, d_qk), r_q, basis.device)  # [c, d_qk, r_q] each
+    c = a0.shape[0]
     via_qd = _project(torch.cat([e, a0], dim=0), r_0, m)  # [2c, d_qk, m]
-    da = via_qd[:c] + _project(up1 * g1, r_d, m)
+    da = via_qd[:c] + _project(up1_g1, r_d, m)
     coeff = _interleave(da, via_qd[c:], d_nope)  # [c, 2 d_qk, m] = K_h^T
     return torch.linalg.qr(coeff.mT, mode="r").R
 
@@ -305,17 +313,12 @@ def _key_factor_latent(
     t_0r = basis[:, r_kv:n_kv]  # U^T KVd[r_kv:]^T
     t_dc = basis[:, n_kv : n_kv + r_kv]  # U^T dKVd[:r_kv]^T
     t_dr = basis[:, n_kv + r_kv :]  # U^T dKVd[r_kv:]^T
-    k_rows = slice(0, d_nope)
-    up0 = _head_rows(prev.kv_up, heads, d_nope + d_v, k_rows)  # [c, d_nope, r_kv]
-    up1 = _head_rows(now.kv_up, heads, d_nope + d_v, k_rows)
-    g1, dg = _gammas(prev.kv_norm, now.kv_norm, r_kv, basis.device)
-    g0 = g1 - dg
-    b0 = up0 * g0
-    e = (up1 - up0) * g1 + up0 * dg
-    c = up0.shape[0]
+    b0, e, up1_g1 = _scaled_up_factors(prev.kv_up, now.kv_up, prev.kv_norm, now.kv_norm, heads, d_nope + d_v,
+                                       slice(0, d_nope), r_kv, basis.device)  # [c, d_nope, r_kv] each
+    c = b0.shape[0]
     via_kvd = _project(torch.cat([b0, e], dim=0), t_0c, m)  # [2c, d_nope, m]
     b0_nope = via_kvd[:c]
-    db_nope = via_kvd[c:] + _project(up1 * g1, t_dc, m)
+    db_nope = via_kvd[c:] + _project(up1_g1, t_dc, m)
     b0_rope = t_0r.mT.expand(c, d_rope, m)
     db_rope = t_dr.mT.expand(c, d_rope, m)
     coeff = torch.cat([b0_nope, db_nope, b0_rope, db_rope], dim=1)  # [c, 2 d_qk, m] = L_h^T
