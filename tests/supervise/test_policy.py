@@ -91,3 +91,15 @@ def test_a_user_policy_can_restore_the_intended_lr(tmp_path: Path):
     assert flag_values(applied.args, "--lr") == ["3e-4"] and flag_values(applied.args, "--min-lr") == ["3e-5"]
     assert flag_values(applied.args, "--save") == ["ck"] and len(applied.args) == 6
     assert applied.removed == ["--lr 1.2e-3", "--min-lr 1.2e-4"]
+
+
+def test_alert_families_are_the_detectors_and_the_sessions():
+    """The supervisor's standard-library copy of the family names (``session/alert.py``) equals
+    the detector's table and the session's ``Family``; a policy is checked against it."""
+    from mechmon_megatron.detect.pooled_cusum import FAMILY_DIRECTIONS
+    from mechmon_megatron.session.alert import ALERT_FAMILIES, DETECTOR_FAMILIES
+    from mechmon_megatron.session.records import Family
+
+    assert set(DETECTOR_FAMILIES) == set(FAMILY_DIRECTIONS) == {f.value for f in Family}
+    assert set(ALERT_FAMILIES) == set(DETECTOR_FAMILIES) | {"nonfinite", "drill"}
+    assert set(load_policy("default").families) <= set(ALERT_FAMILIES)
