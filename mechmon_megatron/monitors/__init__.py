@@ -3,6 +3,7 @@
 * ``spectral``: spectral entropy / effective rank / stable rank of singular-value spectra.
 * ``qk_increment``: per-head singular values of the QK increments Delta1, Delta2, Delta3.
 * ``mla_increment``: per-head singular values of Delta2 for multi-head latent attention (MLA).
+* ``norm_fold``: a per-head QK-norm's gamma (and LayerNorm centring) folded into the Q/K rows.
 * ``update_spectrum``: singular values of a weight increment dW (exact or randomized).
 * ``router``: full-softmax routing entropy, router-weight similarity, load statistics.
 
@@ -11,6 +12,7 @@ with live in the research package, ``mechmon_megatron.research.baselines``.)
 """
 
 from mechmon_megatron.monitors.mla_increment import MLAWeights, mla_delta2_singular_values
+from mechmon_megatron.monitors.norm_fold import NormFold, fold_norm
 from mechmon_megatron.monitors.qk_increment import qk_increment_singular_values
 from mechmon_megatron.monitors.router import (
     RouterEntropySummary,
@@ -32,8 +34,10 @@ from mechmon_megatron.monitors.update_spectrum import (
 
 __all__ = [
     "MLAWeights",
+    "NormFold",
     "RouterEntropySummary",
     "expert_load",
+    "fold_norm",
     "load_fractions",
     "max_violation",
     "mla_delta2_singular_values",

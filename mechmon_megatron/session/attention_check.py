@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from mechmon_megatron.monitors.leading_direction import delta2_spectrum_and_directions, direction_persistence
+from mechmon_megatron.monitors.norm_fold import NormFold, fold_norm
 from mechmon_megatron.monitors.qk_increment import qk_increment_singular_values
 from mechmon_megatron.monitors.spectral import spectral_stats
 from mechmon_megatron.monitors.update_spectrum import (
@@ -34,6 +35,25 @@ def _finite(*tensors: torch.Tensor) -> bool:
     return bool(torch.stack([torch.isfinite(t).all().to(tensors[0].device) for t in tensors]).all())
 
 
+def _gammas(prev: QKWeights, now: QKWeights) -> list[Tensor]:
+    return [n.gamma for w in (prev, now) for n in (w.q_norm, w.k_norm) if n is not None and n.gamma is not None]
+
+
+def _effective(prev: QKWeights, now: QKWeights) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(wq_prev, wk_prev, wq_now, wk_now)`` with each QK-norm folded in (float64 where one is),
+    on ``now``'s device."""
+    device = now.wq.device
+    return (fold_norm(prev.wq.to(device), _on(prev.q_norm, device)),
+            fold_norm(prev.wk.to(device), _on(prev.k_norm, device)),
+            fold_norm(now.wq, now.q_norm), fold_norm(now.wk, now.k_norm))
+
+
+def _on(norm: Optional[NormFold], device: torch.device) -> Optional[NormFold]:
+    if norm is None or norm.gamma is None:
+        return norm
+    return NormFold(gamma=norm.gamma.to(device), centres=norm.centres)
+
+
 def check_heads(
     layer_number: int,
     prev: QKWeights,
@@ -42,11 +62,15 @@ def check_heads(
     method: Literal["gram", "compressed"],
     per_head_scalars: bool,
 ) -> CheckOutput:
-    """Delta1/2/3 and per-head dW spectra for the heads one rank reports."""
+    """Delta1/2/3 and per-head dW spectra for the heads one rank reports.
+
+    With a QK-norm the Delta spectra are those of the effective rows ``diag(gamma) P W``
+    (``monitors/norm_fold.py``); the per-head dW spectra stay those of the projection's own update.
+    """
     wq_prev, wk_prev = prev.wq.to(now.wq.device), prev.wk.to(now.wk.device)
-    if not _finite(now.wq, now.wk, wq_prev, wk_prev):
+    if not _finite(now.wq, now.wk, wq_prev, wk_prev, *_gammas(prev, now)):
         return CheckOutput(nonfinite=[NonFinite(layer_number, f"layer {layer_number}: non-finite Q/K weights")])
-    spectra = qk_increment_singular_values(wq_prev, wk_prev, now.wq, now.wk, method=method, assume_finite=True)
+    spectra = qk_increment_singular_values(*_effective(prev, now), method=method, assume_finite=True)
     # Singular values from the kernels are non-negative by construction (trusted: no sign check).
     stats = {key: spectral_stats(values, alpha=alpha, trusted=True) for key, values in spectra.items()}
     dwq = spectral_stats(per_head_update_singular_values(wq_prev, now.wq, assume_finite=True), alpha, trusted=True)
@@ -115,9 +139,9 @@ def check_heads_short(
     window's directions (None when the weights are non-finite: the long check reports those).
     """
     wq_prev, wk_prev = prev.wq.to(now.wq.device), prev.wk.to(now.wk.device)
-    if not _finite(now.wq, now.wk, wq_prev, wk_prev):
+    if not _finite(now.wq, now.wk, wq_prev, wk_prev, *_gammas(prev, now)):
         return CheckOutput(), None
-    s, u, v = delta2_spectrum_and_directions(wq_prev, wk_prev, now.wq, now.wk, method=method, assume_finite=True)
+    s, u, v = delta2_spectrum_and_directions(*_effective(prev, now), method=method, assume_finite=True)
     d2 = spectral_stats(s, alpha=alpha, trusted=True)
     directions = (u, v)
     heads = [now.head_offset + i for i in range(now.wq.shape[0])]

@@ -12,6 +12,8 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
+from mechmon_megatron.monitors.mla_increment import MLAWeights
+from mechmon_megatron.monitors.norm_fold import NormFold
 from mechmon_megatron.monitors.router import summarize_routing
 from mechmon_megatron.session import collective_guard, payload_codec
 from mechmon_megatron.session.records import Verdict
@@ -32,6 +34,27 @@ class QKWeights:
     wq: torch.Tensor
     wk: torch.Tensor
     head_offset: int = 0
+    q_norm: Optional[NormFold] = None
+    """The per-head norm on the queries (``qk_layernorm``), folded into ``wq`` by the check."""
+    k_norm: Optional[NormFold] = None
+    """The per-head norm on the keys, folded into ``wk`` by the check."""
+
+
+@dataclass
+class MLAHeads:
+    """The query/key weights of one multi-head latent attention layer for the heads this rank reports.
+
+    ``weights``: the layer's down projections and latent gammas (whole) and the up-projection
+    rows of heads ``head_offset .. head_offset + num_heads - 1`` (``linear_kv_up_proj``: key rows
+    only, i.e. ``d_v = 0`` in :class:`~mechmon_megatron.monitors.mla_increment.MLAWeights`);
+    ``d_nope`` / ``d_rope``: no-RoPE and RoPE query/key head dims.
+    """
+
+    weights: MLAWeights
+    d_nope: int
+    d_rope: int
+    num_heads: int
+    head_offset: int = 0
 
 
 @dataclass
@@ -39,6 +62,8 @@ class FullQK:
     """The whole layer's Q and K weights (all heads, TP shards gathered).
 
     wq: ``[num_attention_heads * head_dim, hidden]``; wk: ``[num_query_groups * head_dim, hidden]``.
+    For an MLA layer: the two projections from the hidden state, ``linear_q_down_proj`` (or
+    ``linear_q_proj``) and ``linear_kv_down_proj``.
     """
 
     wq: torch.Tensor
@@ -79,7 +104,7 @@ class AttentionSite:
     """
 
     layer_number: int
-    read_heads: Callable[[], Optional[QKWeights]]
+    read_heads: Callable[[], Optional[QKWeights | MLAHeads]]
     read_full: Callable[[], Optional[FullQK]]
     name: str = ""
     snapshot_budget: Optional[SnapshotBudget] = None

@@ -18,6 +18,13 @@ Attention (family ``attn``), per layer:
     mechmon/attn/dw_fro_norm/layer_L           ||dW_q||_F over the window
     mechmon/attn/wq_spectral_norm/layer_L      largest singular value of the layer's W_q (now)
     (with per_head_scalars) mechmon/attn/delta2_entropy/layer_L/head_H
+  Multi-head latent attention (MLA) layers: delta2_entropy, _min, _norm_entropy, _eff_rank are
+  those of the content (no-RoPE) Delta2, the detector's stream; dw_entropy / dwk_entropy are the
+  full-matrix dW of the two projections from the hidden state (linear_q_down_proj or
+  linear_q_proj, linear_kv_down_proj); no Delta1/Delta3 or per-head dW scalars. Also:
+    mechmon/attn/delta2_whole_entropy/layer_L  mean over heads of the whole (no-RoPE and RoPE rows)
+                                               Delta2 entropy (nats; recorded, not judged);
+                                               per head with per_head_scalars
     (with short_window) mechmon/attn/delta2_entropy_short/layer_L   mean over heads of the Delta2
                                                entropy over the last ``interval`` steps (nats); per
                                                head ``.../layer_L/head_H`` with per_head_scalars

@@ -50,7 +50,15 @@ from mechmon_megatron.session.failures import (
     QuietMonitors,
     strict_stop_message,
 )
-from mechmon_megatron.session.host import AttentionSite, Communicator, LocalCommunicator, RouterSite
+from mechmon_megatron.session.host import (
+    AttentionSite,
+    Communicator,
+    LocalCommunicator,
+    MLAHeads,
+    QKWeights,
+    RouterSite,
+)
+from mechmon_megatron.session.mla_check import check_mla_heads
 from mechmon_megatron.session.records import CheckOutput, Payload, Verdict, merge_partials
 from mechmon_megatron.session.router_check import empty_vector, local_router_vector, router_output
 from mechmon_megatron.session.runs import new_run_id
@@ -522,14 +530,17 @@ class MonitoringSession:
                 continue
             heads = log.run("read", layer, iteration, site.read_heads)
             prev_heads, prev_full = snapshot.get(index, (None, None)) if snapshot is not None else (None, None)
-            if heads is not FAILED and heads is not None and prev_heads is not None:
+            if isinstance(heads, MLAHeads) and isinstance(prev_heads, MLAHeads):
+                outputs.append(log.run("kernel", layer, iteration, check_mla_heads, layer, prev_heads, heads,
+                                       cfg.alpha, cfg.per_head_scalars))
+            elif isinstance(heads, QKWeights) and isinstance(prev_heads, QKWeights):
                 outputs.append(log.run("kernel", layer, iteration, check_heads, layer, prev_heads, heads, cfg.alpha,
                                        cfg.qk_method, cfg.per_head_scalars))
             if full is not None and prev_full is not None:
                 outputs.append(log.run("kernel", layer, iteration, check_full, layer, prev_full, full, cfg.alpha,
                                        cfg.full_matrix_method, cfg.full_matrix_rank, cfg.wq_norm_power_iters))
             short_heads = short.get(index, (None, None))[0] if short is not None else None
-            if heads is not FAILED and heads is not None and short_heads is not None:
+            if isinstance(heads, QKWeights) and isinstance(short_heads, QKWeights):  # MLA: the long window only
                 # The previous short window is (t - 2 interval, t - interval]: adjacent, not overlapping.
                 kept = self._short_directions.pop(index, None)
                 previous = kept[1] if kept is not None and kept[0] == iteration - cfg.interval else None

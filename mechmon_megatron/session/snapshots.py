@@ -8,7 +8,8 @@ held at once (a ring keyed by the check step they serve). Lifecycle rules:
   DeepSpeed overflow step, a Megatron skipped iteration) is dropped at the next step, so nothing
   stale accumulates and no check ever compares across a longer window than ``delta``;
 * when one site's per-head rows and whole-layer rows are the same data (one owner, tensor
-  parallel size 1) they are copied once and the per-head snapshot is a view of the full one;
+  parallel size 1; an MLA layer's down projections) they are copied once and the per-head
+  snapshot is a view of the full one;
 * placement: ``device`` (where the weights are), ``cpu`` (pageable host memory), ``pinned``
   (page-locked host memory, asynchronous device-to-host copies into reused buffers), or ``auto``:
   ``device`` unless the budget exceeds ``snapshot_max_device_share`` of the accelerator's memory.
@@ -18,12 +19,15 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Optional, Sequence
+from dataclasses import fields, replace
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+from mechmon_megatron.monitors.mla_increment import MLAWeights
+from mechmon_megatron.monitors.norm_fold import NormFold
 from mechmon_megatron.session.config import MechmonConfig
-from mechmon_megatron.session.host import AttentionSite, FullQK, QKWeights
+from mechmon_megatron.session.host import AttentionSite, FullQK, MLAHeads, QKWeights
 
 logger = logging.getLogger(__name__)
 
@@ -160,12 +164,17 @@ def describe_budget(config: MechmonConfig, nbytes: Optional[int], device: torch.
             f"{config.snapshot_device}{ring})")
 
 
+Record = Union[QKWeights, MLAHeads, FullQK]
+SiteSnapshot = tuple[Optional[Union[QKWeights, MLAHeads]], Optional[FullQK]]
+"""One site's snapshot: its per-head read and its full-matrix read (None where this rank has none)."""
+
+
 class SnapshotStore:
     """The snapshots of one rank, keyed by the check step that consumes them."""
 
     def __init__(self, placement: str) -> None:
         self.placement = placement
-        self._sets: dict[int, dict[int, tuple[Optional[QKWeights], Optional[FullQK]]]] = {}
+        self._sets: dict[int, dict[int, SiteSnapshot]] = {}
         self._pool: dict[tuple, list[torch.Tensor]] = {}  # pinned buffers for reuse
 
     def __len__(self) -> int:
@@ -178,35 +187,36 @@ class SnapshotStore:
         """Bytes held now (views of a shared copy counted once)."""
         seen: dict[int, int] = {}
         for taken in self._sets.values():
-            for heads, full in taken.values():
-                for part in (heads, full):
-                    if part is not None:
-                        for t in (part.wq, part.wk):
-                            storage = t.untyped_storage()
-                            seen[storage.data_ptr()] = storage.nbytes()
+            for pair in taken.values():
+                for t in _pair_tensors(pair):
+                    storage = t.untyped_storage()
+                    seen[storage.data_ptr()] = storage.nbytes()
         return sum(seen.values())
 
-    def put(self, check_step: int, taken: dict[int, tuple[Optional[QKWeights], Optional[FullQK]]]) -> None:
+    def put(self, check_step: int, taken: dict[int, SiteSnapshot]) -> None:
         self._sets[check_step] = taken
 
-    def peek(self, check_step: int) -> Optional[dict[int, tuple[Optional[QKWeights], Optional[FullQK]]]]:
+    def peek(self, check_step: int) -> Optional[dict[int, SiteSnapshot]]:
         """The set for ``check_step`` left in the ring (the short window reads it early)."""
         return self._sets.get(check_step)
 
-    def pop(self, check_step: int) -> Optional[dict[int, tuple[Optional[QKWeights], Optional[FullQK]]]]:
+    def pop(self, check_step: int) -> Optional[dict[int, SiteSnapshot]]:
         return self._sets.pop(check_step, None)
 
     def release(self, taken: Optional[dict]) -> None:
-        """Give a consumed set's pinned buffers back for the next snapshot."""
+        """Give a consumed set's pinned buffers back for the next snapshot (each copy once: the
+        tensor that spans its whole storage, not the views of it)."""
         if self.placement != "pinned" or not taken:
             return
-        for heads, full in taken.values():
-            if full is not None:
-                for t in (full.wq, full.wk):
-                    self._pool.setdefault((tuple(t.shape), t.dtype), []).append(t)
-            elif heads is not None:
-                for t in (heads.wq, heads.wk):
-                    self._pool.setdefault((tuple(t.shape), t.dtype), []).append(t)
+        for pair in taken.values():
+            seen: set[int] = set()
+            for t in _pair_tensors(pair):
+                storage = t.untyped_storage()
+                if storage.data_ptr() in seen or t.storage_offset() != 0 or \
+                        t.numel() * t.element_size() != storage.nbytes():
+                    continue
+                seen.add(storage.data_ptr())
+                self._pool.setdefault((tuple(t.shape), t.dtype), []).append(t)
 
     def drop_stale(self, iteration: int) -> list[int]:
         """Drop snapshots for check steps before ``iteration`` (their check never ran)."""
@@ -230,30 +240,65 @@ class SnapshotStore:
         dst.copy_(src, non_blocking=True)
         return dst
 
-    def take(self, heads: Optional[QKWeights], full: Optional[FullQK]) -> tuple[Optional[QKWeights], Optional[FullQK]]:
-        """Copies of one site's reads; per-head rows that equal the full rows share their copy."""
-        full_copy = FullQK(wq=self.copy(full.wq), wk=self.copy(full.wk)) if full is not None else None
-        if heads is None:
-            return None, full_copy
-        if full is not None and full_copy is not None and _same_rows(heads, full):
-            return QKWeights(wq=full_copy.wq.view(heads.wq.shape), wk=full_copy.wk.view(heads.wk.shape),
-                             head_offset=heads.head_offset), full_copy
-        return QKWeights(wq=self.copy(heads.wq), wk=self.copy(heads.wk), head_offset=heads.head_offset), full_copy
+    def take(self, heads: Optional[Union[QKWeights, MLAHeads]], full: Optional[FullQK]) -> SiteSnapshot:
+        """Copies of one site's reads. A tensor that is the same memory as one copied before in
+        this call (per-head rows that are the full rows, with tensor parallel size 1; an MLA down
+        projection in both reads) becomes a view of that copy: one copy, shared."""
+        copies = _SharedCopies(self.copy)
+        full_copy = FullQK(wq=copies(full.wq), wk=copies(full.wk)) if full is not None else None
+        if isinstance(heads, QKWeights):
+            return QKWeights(wq=copies(heads.wq), wk=copies(heads.wk), head_offset=heads.head_offset,
+                             q_norm=_copy_norm(heads.q_norm, copies),
+                             k_norm=_copy_norm(heads.k_norm, copies)), full_copy
+        if isinstance(heads, MLAHeads):
+            w = heads.weights
+            weights = MLAWeights(**{name: (None if value is None else copies(value))
+                                    for name, value in _mla_tensors(w)})
+            return replace(heads, weights=weights), full_copy
+        return None, full_copy
 
 
-def _same_rows(heads: QKWeights, full: FullQK) -> bool:
-    """True when the per-head read covers every head and group of the full read, in order.
+class _SharedCopies:
+    """Copies tensors, once per distinct memory: a tensor that is the same contiguous elements of
+    one storage as a tensor copied earlier gets a view of that copy (decided from the memory alone:
+    no read of the values, no device synchronisation)."""
 
-    Decided from the tensors' memory alone (no read of the values, no device synchronisation):
-    both are contiguous views of the same elements of one storage (the site hands out views of
-    one read, e.g. one owner with tensor parallel size 1).
-    """
-    if heads.head_offset != 0:
-        return False
-    return _same_memory(heads.wq, full.wq) and _same_memory(heads.wk, full.wk)
+    def __init__(self, copy: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self._copy = copy
+        self._done: dict[tuple, torch.Tensor] = {}
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        if not t.is_contiguous():
+            return self._copy(t)
+        key = (t.data_ptr(), t.numel(), t.dtype, t.device)
+        done = self._done.get(key)
+        if done is None:
+            done = self._done[key] = self._copy(t)
+        return done.view(t.shape)
 
 
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """``a`` and ``b`` are the same contiguous elements of one storage (any shapes)."""
-    return (a.numel() == b.numel() and a.dtype == b.dtype and a.device == b.device
-            and a.is_contiguous() and b.is_contiguous() and a.data_ptr() == b.data_ptr())
+def _copy_norm(norm: Optional[NormFold], copies: _SharedCopies) -> Optional[NormFold]:
+    if norm is None or norm.gamma is None:
+        return norm
+    return NormFold(gamma=copies(norm.gamma), centres=norm.centres)
+
+
+def _mla_tensors(w: MLAWeights) -> list[tuple[str, Optional[torch.Tensor]]]:
+    return [(f.name, getattr(w, f.name)) for f in fields(w)]
+
+
+def _record_tensors(record: Optional[Record]) -> list[torch.Tensor]:
+    """Every tensor a snapshot record holds."""
+    if record is None:
+        return []
+    if isinstance(record, MLAHeads):
+        return [t for _, t in _mla_tensors(record.weights) if t is not None]
+    out = [record.wq, record.wk]
+    if isinstance(record, QKWeights):
+        out += [n.gamma for n in (record.q_norm, record.k_norm) if n is not None and n.gamma is not None]
+    return out
+
+
+def _pair_tensors(pair: SiteSnapshot) -> list[torch.Tensor]:
+    heads, full = pair
+    return _record_tensors(full) + _record_tensors(heads)

@@ -33,7 +33,7 @@ import os
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from mechmon_megatron.detect.null_model import TAIL_LEVELS, JobShape, per_test_probability, thresholds_for_job
 from mechmon_megatron.session.config import MechmonConfig
@@ -47,6 +47,7 @@ __all__ = [
     "directory_problem",
     "graphed_router_message",
     "job_layers",
+    "log_left_out",
     "log_monitoring",
     "log_startup_warnings",
     "validate_startup",
@@ -164,6 +165,20 @@ def log_monitoring(config: MechmonConfig, attention_layers: int, routers: int, r
         logger.warning("[mechmon] no %s found on rank 0: router monitors idle (dense model?)", router_kind)
     logger.info("[mechmon] monitoring %d attention layers and %d routers on rank 0 (interval %d, delta %d, "
                 "action %s)", attention_layers, routers, config.interval, config.delta, config.action)
+
+
+def log_left_out(left_out: Sequence[Any]) -> None:
+    """One start-up line naming every sequence-mixing layer the attention monitors leave out and
+    why (items with ``layer_number``, ``name``, ``reason``): those layers are not in the union
+    bound, and nothing is written for them."""
+    if not left_out:
+        return
+    by_reason: dict[str, list[str]] = {}
+    for item in left_out:
+        where = item.name if item.layer_number is None else f"layer {item.layer_number}"
+        by_reason.setdefault(item.reason, []).append(where)
+    logger.warning("[mechmon] attention monitors leave out %d layer(s): %s", len(left_out),
+                   "; ".join(f"{', '.join(layers)}: {reason}" for reason, layers in by_reason.items()))
 
 
 def graphed_router_message(setting: str) -> str:

@@ -7,7 +7,7 @@ chunks; layers are identified by megatron-core's GLOBAL 1-based ``layer_number``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import torch
 
@@ -16,7 +16,27 @@ import torch
 class FoundAttention:
     layer_number: int
     name: str
-    module: Any  # megatron.core.transformer.attention.SelfAttention
+    module: Any  # megatron.core.transformer.attention.SelfAttention, or MLASelfAttention
+    kind: str = "self_attention"
+    """``self_attention`` (fused ``linear_qkv``) or ``mla`` (multi-head latent attention)."""
+
+
+@dataclass(frozen=True)
+class LeftOut:
+    """A sequence-mixing layer the attention monitors do not cover, and why (named at start-up)."""
+
+    layer_number: Optional[int]
+    name: str
+    reason: str
+
+
+_LEFT_OUT_BY_CLASS: dict[str, str] = {
+    "MambaMixer": "Mamba SSM mixer (no softmax attention)",
+    "GatedDeltaNet": "gated DeltaNet (linear attention, no softmax logits)",
+    "DSAIndexer": "DSA indexer (its scores only pick the tokens; the MLA it feeds is monitored)",
+    "AbsorbedMLASelfAttention": "absorbed MLA (no separate key up projection)",
+    "CrossAttention": "cross-attention (queries and keys from different inputs)",
+}
 
 
 @dataclass
@@ -79,8 +99,41 @@ def _is_router(module: torch.nn.Module) -> bool:
     )
 
 
+def _is_mla(module: torch.nn.Module) -> bool:
+    return (type(module).__name__ not in _LEFT_OUT_BY_CLASS and hasattr(module, "layer_number")
+            and hasattr(module, "config")
+            and (hasattr(module, "linear_kv_down_proj") or hasattr(module, "linear_qkv_down_proj")))
+
+
+def _left_out_reason(module: torch.nn.Module) -> Optional[str]:
+    """Why a sequence-mixing module is not monitored (None: not such a module)."""
+    cls = type(module).__name__
+    if cls in _LEFT_OUT_BY_CLASS:
+        return _LEFT_OUT_BY_CLASS[cls]
+    if (cls.endswith("Attention") and hasattr(module, "layer_number") and hasattr(module, "linear_proj")
+            and hasattr(module, "core_attention")):
+        return f"{cls}: an attention layout the monitors do not know"
+    return None
+
+
+def find_left_out(model_chunks: Iterable[torch.nn.Module]) -> list[LeftOut]:
+    """Sequence-mixing layers of this rank's chunks that the attention monitors do not cover
+    (Mamba, gated DeltaNet, DSA indexers, absorbed MLA, cross- or unknown attention)."""
+    left: list[LeftOut] = []
+    for chunk_index, chunk in enumerate(model_chunks):
+        for name, module in unwrap(chunk).named_modules():
+            if _is_self_attention(module) or _is_mla(module):
+                continue
+            reason = _left_out_reason(module)
+            if reason is not None:
+                layer = getattr(module, "layer_number", None)
+                left.append(LeftOut(None if layer is None else int(layer), f"chunk{chunk_index}.{name}", reason))
+    return left
+
+
 def find_modules(model_chunks: Iterable[torch.nn.Module]) -> tuple[list[FoundAttention], list[FoundRouter]]:
-    """All self-attention and router modules of this rank's chunks, sorted by global layer."""
+    """All self-attention (fused ``linear_qkv`` or multi-head latent) and router modules of this
+    rank's chunks, sorted by global layer."""
     attention: list[FoundAttention] = []
     routers: list[FoundRouter] = []
     for chunk_index, chunk in enumerate(model_chunks):
@@ -88,6 +141,8 @@ def find_modules(model_chunks: Iterable[torch.nn.Module]) -> tuple[list[FoundAtt
             label = f"chunk{chunk_index}.{name}"
             if _is_self_attention(module):
                 attention.append(FoundAttention(int(module.layer_number), label, module))
+            elif _is_mla(module):
+                attention.append(FoundAttention(int(module.layer_number), label, module, kind="mla"))
             elif _is_router(module):
                 layer = getattr(module, "layer_number", None)
                 if layer is None:

@@ -10,14 +10,14 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from mechmon_megatron.adapters.megatron_core.discovery import find_modules, unwrap
+from mechmon_megatron.adapters.megatron_core.discovery import find_left_out, find_modules, unwrap
 from mechmon_megatron.adapters.megatron_core.main_params import weight_reader
 from mechmon_megatron.adapters.megatron_core.sites import attention_sites, router_sites
 from mechmon_megatron.session.config import MechmonConfig
 from mechmon_megatron.session.host import LocalCommunicator, TorchDistributedCommunicator
 from mechmon_megatron.session.host_settings import graphed_router
 from mechmon_megatron.session.session import MonitoringSession
-from mechmon_megatron.session.startup import graphed_router_message, log_monitoring
+from mechmon_megatron.session.startup import graphed_router_message, log_left_out, log_monitoring
 from mechmon_megatron.session.writers import JsonlScalarWriter, ScalarWriter, TensorBoardScalarWriter, WriterGroup
 
 logger = logging.getLogger(__name__)
@@ -131,8 +131,8 @@ def build_mcore_session(
     else:
         tp_group, dp_rank, dp, tp_rank, reduce_group, dp_group = None, 0, 1, 0, None, None
         comm = LocalCommunicator()
-    layer_names = {id(item.module.linear_qkv.weight): f"layer {item.layer_number} ({item.name})"
-                   for item in found_attention}
+    layer_names = {id(param): f"layer {item.layer_number} ({item.name}.{name})"
+                   for item in found_attention for name, param in item.module.named_parameters()}
     notices: set[str] = set()
 
     def weight_source(param: torch.nn.Parameter):
@@ -177,8 +177,9 @@ def build_mcore_session(
     reporting = dp_rank == 0 and tp_rank == 0
     holder: dict[str, MonitoringSession] = {}
     # Every rank lists its stage's layers: the work is spread over the DP x TP ranks (sites.py).
+    left_out = find_left_out(model_chunks) if "attn" in config.monitors else []
     attn = attention_sites(found_attention, tp_group, config.full_matrix_dw, dp_rank=dp_rank, dp=dp,
-                           weight_source=weight_source)
+                           weight_source=weight_source, left_out=left_out)
     routers = router_sites(
         found_routers,
         reduce_group,
@@ -191,12 +192,17 @@ def build_mcore_session(
         writer.writers.extend(extra_writers)
     session = MonitoringSession(config, attn, routers, comm=comm, writer=writer)
     holder["session"] = session
-    _notice(config, found_attention, found_routers)
+    _notice(config, attn, found_routers)
+    if reporting:  # one rank per pipeline stage names its stage's layers
+        log_left_out(left_out)
+    if config.short_window and any(item.kind == "mla" for item in found_attention) and reporting:
+        logger.info("[mechmon] --mechmon-short-window: multi-head latent attention layers are checked on the "
+                    "long window only")
     return session
 
 
-def _notice(config: MechmonConfig, found_attention: list, found_routers: list) -> None:
+def _notice(config: MechmonConfig, attention: list, found_routers: list) -> None:
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     # The start-up lines every host prints (session/startup.py), rank 0 only.
-    log_monitoring(config, len(found_attention), len(found_routers), rank,
-                   attention_kind="self-attention (linear_qkv)", router_kind="MoE router")
+    log_monitoring(config, len(attention), len(found_routers), rank,
+                   attention_kind="self-attention (linear_qkv or multi-head latent)", router_kind="MoE router")

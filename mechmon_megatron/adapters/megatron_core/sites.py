@@ -27,7 +27,11 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from mechmon_megatron.adapters.megatron_core.discovery import FoundAttention, FoundRouter, router_settings
+from mechmon_megatron.adapters.megatron_core.discovery import FoundAttention, FoundRouter, LeftOut, router_settings
+from mechmon_megatron.adapters.megatron_core.mla_sites import MLAReader
+from mechmon_megatron.adapters.megatron_core.norms import GammaReader, NormSpec, UnsupportedLayout, norm_spec
+from mechmon_megatron.adapters.megatron_core.tp_gather import group_rank, group_size, read_and_gather_rows
+from mechmon_megatron.monitors.norm_fold import NormFold
 from mechmon_megatron.monitors.router import check_score_function
 from mechmon_megatron.session.collective_guard import guard
 from mechmon_megatron.session.host import AttentionSite, FullQK, QKWeights, RouterSite, SnapshotBudget
@@ -40,35 +44,6 @@ logger = logging.getLogger(__name__)
 WeightSource = Callable[[torch.nn.Parameter], Callable[[], torch.Tensor]]
 """Given a ``linear_qkv.weight``, a reader of the weights to monitor (e.g. FP32 main parameters).
 The reader may be a collective over the data-parallel group: every rank calls it, in site order."""
-
-
-def _group_size(group: Any) -> int:
-    return dist.get_world_size(group) if dist.is_initialized() else 1
-
-
-def _group_rank(group: Any) -> int:
-    return dist.get_rank(group) if dist.is_initialized() else 0
-
-
-def _read_and_gather_rows(read: Callable[[], torch.Tensor], group: Any, what: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(local, gathered)``: the rank's row shard and the TP shards concatenated (no autograd).
-
-    Every rank of ``group`` enters the all-gather only after all of them read their shard and
-    prepared their buffers; a local failure (an out-of-memory error) raises on every rank
-    instead of leaving the others waiting in the collective.
-    """
-    size = _group_size(group)
-
-    def prepare() -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-        local = read()
-        return local, local.contiguous(), [torch.empty_like(local) for _ in range(size)]
-
-    def gather(prepared: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        local, own, parts = prepared
-        guard().all_gather(parts, own, group, f"the tensor-parallel gather of {what}")
-        return local, torch.cat(parts, dim=0)
-
-    return guard().guarded(prepare, gather, group, what)
 
 
 class _AttentionReader:
@@ -86,8 +61,8 @@ class _AttentionReader:
         )
         self.tp_group = tp_group
         guard().declare(tp_group)  # mechmon's own copy is made when the session starts
-        self.tp = _group_size(tp_group)
-        self.tp_rank = _group_rank(tp_group)
+        self.tp = group_size(tp_group)
+        self.tp_rank = group_rank(tp_group)
         self.np = cfg.num_attention_heads
         self.ng = cfg.num_query_groups or cfg.num_attention_heads
         self.hn = module.hidden_size_per_attention_head
@@ -109,6 +84,12 @@ class _AttentionReader:
         self._gathered: Optional[torch.Tensor] = None
         self._split: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         """read_full's Q/K split when it is also this rank's per-head read (TP 1): one copy, shared."""
+        # QK-norm (qk_layernorm): its gamma, folded into the per-head rows by the check.
+        self._norm_readers = tuple(
+            (None if spec is None else GammaReader(spec, weight_source, self.heads_owner), spec)
+            for spec in (norm_spec(getattr(module, "q_layernorm", None), cfg, "q_layernorm", self.hn),
+                         norm_spec(getattr(module, "k_layernorm", None), cfg, "k_layernorm", self.hn)))
+        self._norms: tuple[Optional[NormFold], Optional[NormFold]] = (None, None)
 
     def _qk_rows(self) -> Optional[torch.Tensor]:
         """Rows of this rank's ``linear_qkv`` shard that hold Q and K (None: all, when a query
@@ -131,11 +112,12 @@ class _AttentionReader:
         self._local = self._gathered = self._split = None
         # read_weight may itself be a data-parallel collective (sharded FP32 main parameters).
         if self.gathers:
-            local, self._gathered = _read_and_gather_rows(self.read_weight, self.tp_group,
+            local, self._gathered = read_and_gather_rows(self.read_weight, self.tp_group,
                                                           f"layer {self.layer_number} Q/K weights")
         else:
             local = self.read_weight()
         self._local = local
+        self._norms = tuple(self._read_norm(reader, spec) for reader, spec in self._norm_readers)
         if not self.full_owner:
             return None
         full = self._gathered if self.tp > 1 else local
@@ -145,25 +127,34 @@ class _AttentionReader:
             self._split = (wq, wk)  # the per-head read of this rank is the same rows: views, not a copy
         return FullQK(wq=wq.reshape(self.np * self.hn, -1), wk=wk.reshape(self.ng * self.hn, -1))
 
+    @staticmethod
+    def _read_norm(reader: Optional[GammaReader], spec: Optional[NormSpec]) -> Optional[NormFold]:
+        if reader is None or spec is None:
+            return None
+        return NormFold(gamma=reader(), centres=spec.centres)
+
     def read_heads(self) -> Optional[QKWeights]:
         """This rank's heads on the layer's per-head replica (None elsewhere); uses read_full's read."""
         local, gathered, split = self._local, self._gathered, self._split
+        (q_norm, k_norm), self._norms = self._norms, (None, None)
         self._local = self._gathered = self._split = None
         if not self.heads_owner:
             return None
         if local is None:
             raise RuntimeError(f"layer {self.layer_number}: read_heads called without a successful read_full")
+        norms = dict(q_norm=q_norm, k_norm=k_norm)
         if split is not None:
-            return QKWeights(wq=split[0], wk=split[1], head_offset=0)
+            return QKWeights(wq=split[0], wk=split[1], head_offset=0, **norms)
         offset = self.tp_rank * self.np_local
         if self.ng >= self.tp:
             wq, wk = split_qk(local, self.np_local, self.ng // self.tp, self.hn, self.gate)
-            return QKWeights(wq=wq, wk=wk, head_offset=offset)
+            return QKWeights(wq=wq, wk=wk, head_offset=offset, **norms)
         # ng < tp: a query group spans ranks; read_full gathered the weight this round.
         assert gathered is not None
         wq_all, wk_all = split_qk(gathered, self.np, self.ng, self.hn, self.gate)
         group = offset // (self.np // self.ng)  # np/tp heads of one rank share one group
-        return QKWeights(wq=wq_all[offset : offset + self.np_local], wk=wk_all[group : group + 1], head_offset=offset)
+        return QKWeights(wq=wq_all[offset : offset + self.np_local], wk=wk_all[group : group + 1], head_offset=offset,
+                         **norms)
 
 
 def attention_sites(
@@ -174,23 +165,48 @@ def attention_sites(
     dp: int = 1,
     weight_source: Optional[WeightSource] = None,
     element_size: Optional[int] = None,
+    left_out: Optional[list[LeftOut]] = None,
 ) -> list[AttentionSite]:
-    """One site per attention layer of this rank's stage; see the module docstring for who does what.
+    """One site per attention layer of this rank's stage; see the module docstring for who does what
+    (``mla_sites.py`` for multi-head latent attention).
 
     ``weight_source``: what to read (default: the model weight); ``element_size``: bytes per
     element of that read (default: 4 for FP32 main parameters, else the model weight's), for the
-    snapshot budget.
+    snapshot budget. A layer the monitors cannot decompose (:class:`UnsupportedLayout`: absorbed
+    MLA, a shape that does not reconcile with the config, an unknown norm) gets no site and is
+    appended to ``left_out`` with the reason; the decision depends on shapes and types only, so
+    every rank decides alike.
     """
     sites = []
     for item in found:
         group = getattr(item.module, "tp_group", None) or tp_group
-        reader = _AttentionReader(item, group, full_matrix, dp_rank, dp, weight_source)
+        try:
+            if item.kind == "mla":
+                sites.append(_mla_site(item, group, full_matrix, dp_rank, dp, weight_source, element_size))
+                continue
+            reader = _AttentionReader(item, group, full_matrix, dp_rank, dp, weight_source)
+        except UnsupportedLayout as exc:
+            if left_out is not None:
+                left_out.append(LeftOut(item.layer_number, item.name, str(exc)))
+            continue
         main = getattr(reader.read_weight, "source", "model") == "main"
         size = element_size if element_size is not None else (4 if main else reader.weight.element_size())
         sites.append(AttentionSite(item.layer_number, reader.read_heads, reader.read_full, item.name,
                                    snapshot_budget=reader.budget(size),
                                    reports=reader.heads_owner or reader.full_owner))
     return sites
+
+
+def _mla_site(item: FoundAttention, group: Any, full_matrix: bool, dp_rank: int, dp: int,
+              weight_source: Optional[WeightSource], element_size: Optional[int]) -> AttentionSite:
+    tp, tp_rank = group_size(group), group_rank(group)
+    reader = MLAReader(item, group, full_matrix, dp_rank, dp, weight_source, tp, tp_rank)
+    param = item.module.linear_kv_up_proj.weight
+    main = getattr(reader.kv_up, "source", "model") == "main"
+    size = element_size if element_size is not None else (4 if main else param.element_size())
+    return AttentionSite(item.layer_number, reader.read_heads, reader.read_full, item.name,
+                         snapshot_budget=reader.budget(size, param.device),
+                         reports=reader.heads_owner or reader.full_owner)
 
 
 def router_sites(
@@ -215,7 +231,7 @@ def router_sites(
 
         def reduce_sum(vector: torch.Tensor, _group=reduce_group, _device=module.weight.device,
                        _layer=item.layer_number) -> torch.Tensor:
-            if not dist.is_initialized() or _group_size(_group) == 1:
+            if not dist.is_initialized() or group_size(_group) == 1:
                 return vector.cpu()
             # fp64 for exact integer counts; NCCL needs the tensor on the module's device.
             work = vector.to(device=_device, dtype=torch.float64)
