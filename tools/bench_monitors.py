@@ -3,6 +3,11 @@
 Usage::
 
     python tools/bench_monitors.py --hidden 4096 --num-heads 32 --head-dim 128 --json
+    python tools/bench_monitors.py --mla --json      # one DeepSeek-V3 MLA layer: tools/bench_mla.py
+
+``--mla`` hands the remaining flags to ``tools/bench_mla.py`` (its defaults: a DeepSeek-V3 layer;
+``--mla --help`` lists them): the exact MLA kernel against forming each head's ``A_h``, ``B_h``
+explicitly and running the classic compressed kernel on them, and its JSON or table.
 
 Synthetic layer (why: it resembles a real increment without needing a checkpoint):
 ``W ~ N(0, 0.02)`` elementwise; ``dW`` has elementwise RMS ``--dw-scale`` (default 1e-3), half of
@@ -24,12 +29,15 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
+from types import ModuleType
 
 import torch
 
@@ -43,6 +51,7 @@ from mechmon_megatron.plan.report import cpu_name
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 FAST_METHODS = ("gram", "compressed")
 REL_FLOOR = 1e-6
+MLA_FLAG = "--mla"
 # A call slower than this is timed once (the repeat would add minutes and no information).
 SLOW_CALL_S = 5.0
 
@@ -60,6 +69,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--dw-scale", type=float, default=1e-3, help="elementwise RMS of the increment dW")
     p.add_argument("--rank", type=int, default=64, help="rank of the randomized full-matrix SVD")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(MLA_FLAG, action="store_true",
+                   help="benchmark one MLA layer instead, with tools/bench_mla.py's flags (main() hands them over)")
     args = p.parse_args(argv)
     if args.num_groups is None:
         args.num_groups = args.num_heads
@@ -238,8 +249,23 @@ def print_table(report: dict) -> None:
     print(f"fp32 Gram formation (experiment, not offered): max rel err {fp32_err:.1e}")
 
 
+def _bench_mla() -> ModuleType:
+    """``tools/bench_mla.py``, loaded from its path when ``--mla`` asks for it (it is a sibling
+    script, and it imports this module for ``timed``, so not at import time)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_mla.py")
+    spec = importlib.util.spec_from_file_location("bench_mla", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
-    """Run the benchmark; print JSON (``--json``) or a table; return the report dict."""
+    """Run the benchmark; print JSON (``--json``) or a table; return the report dict. With
+    ``--mla``: ``tools/bench_mla.py``'s ``main`` on the other flags, and its report."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if MLA_FLAG in argv:
+        return _bench_mla().main([a for a in argv if a != MLA_FLAG])
     args = parse_args(argv)
     report = run(args)
     if args.json:

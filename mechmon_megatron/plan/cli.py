@@ -2,6 +2,8 @@
 
     mechmon-plan --model llama3-70b --tp 8 --pp 4 --dp 32 [--ep N] [--interval 100] [--delta D]
                  [--step-time-s T] [--weights main|model] [--device cpu|cuda] [--no-measure] [--json]
+    mechmon-plan --num-layers 4 --hidden-size 1024 --num-attention-heads 16 --multi-latent-attention \
+                 --q-lora-rank 256 --kv-lora-rank 128 --qk-head-dim 64 --qk-pos-emb-head-dim 32 --v-head-dim 64
 
 Prints one JSON object with ``--json`` (keys: docs/PERFORMANCE.md, "Frontier shapes:
 mechmon-plan"), a table otherwise. Bad input (unknown preset, a layout that does not divide the
@@ -27,6 +29,14 @@ SHAPE_FLAGS = (
     ("moe_router_topk", int), ("moe_ffn_hidden_size", int), ("first_dense_layers", int), ("seq_length", int),
     ("micro_batch_size", int), ("global_batch_size", int),
 )
+MLA_FLAGS = (
+    ("q_lora_rank", "query latent rank (omit: no query latent, linear_q_proj)"),
+    ("kv_lora_rank", "key/value latent rank"),
+    ("qk_head_dim", "no-RoPE query/key head dim"),
+    ("qk_pos_emb_head_dim", "RoPE query/key head dim"),
+    ("v_head_dim", "value head dim"),
+)
+"""Megatron-LM's multi-head latent attention flags (``ModelShape`` fields of the same names)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     shape = p.add_argument_group("model shape (override a preset or describe a custom model)")
     for name, typ in SHAPE_FLAGS:
         shape.add_argument("--" + name.replace("_", "-"), type=typ, default=None)
+    mla = p.add_argument_group("multi-head latent attention (Megatron-LM's flags; all but --q-lora-rank required "
+                               "with --multi-latent-attention)")
+    mla.add_argument("--multi-latent-attention", action="store_true", default=None,
+                     help="every attention layer is MLA (DeepSeek-V3, Kimi K2)")
+    for name, text in MLA_FLAGS:
+        mla.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=text)
     mon = p.add_argument_group("monitor (defaults: MechmonConfig)")
     defaults = PlanOptions()
     mon.add_argument("--interval", type=int, default=defaults.interval, help="steps between checks")
@@ -76,7 +92,8 @@ def plan(argv: Optional[Sequence[str]] = None) -> dict:
         if args.threads < 1:
             raise PlanInputError("--threads", f"must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    overrides = {name: getattr(args, name) for name, _ in SHAPE_FLAGS}
+    names = [name for name, _ in SHAPE_FLAGS] + ["multi_latent_attention"] + [name for name, _ in MLA_FLAGS]
+    overrides = {name: getattr(args, name) for name in names}
     shape = resolve_shape(args.model, overrides, dp=args.dp)
     layout = ParallelLayout(tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep)
     opts = PlanOptions(

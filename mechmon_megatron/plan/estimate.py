@@ -9,7 +9,9 @@ kernel call and 0.1 ms per router unit for launches and host syncs. It is a plan
 until ``tools/gpu_check.sh`` measures.
 
 Step time without ``--step-time-s``: ``tokens * (6 N + 12 L s np h_d) / (world * bf16_peak * MFU)``
-(parameters N a token passes through, plus attention scores; the PaLM / Megatron convention).
+(parameters N a token passes through, plus attention scores; the PaLM / Megatron convention). With
+MLA the two attention products have different widths: ``6 L s np (d_qk + d_v)`` replaces the
+attention term (``ModelShape.score_dims_per_head``).
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ GPUS: dict[str, GpuSpec] = {
 def step_flops(shape: ModelShape) -> float:
     """Training FLOPs of one optimizer step (forward + backward)."""
     tokens = float(shape.global_batch_size) * shape.seq_length
-    attention = 12.0 * shape.num_layers * shape.seq_length * shape.num_attention_heads * shape.kv_channels
+    attention = 6.0 * shape.num_layers * shape.seq_length * shape.num_attention_heads * shape.score_dims_per_head()
     return tokens * (6.0 * shape.params_per_token() + attention)
 
 

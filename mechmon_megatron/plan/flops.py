@@ -1,7 +1,8 @@
 """FLOP and memory-traffic counts of one unit of each monitor component.
 
-Counts follow the kernels as written (``session/attention_check.py`` and the core they call),
-split into classes that run at very different speeds on a GPU:
+Counts follow the kernels as written (``session/attention_check.py`` and the core they call;
+``monitors/mla_increment.py`` for multi-head latent attention), split into classes that run at
+very different speeds on a GPU:
 
 * ``gemm``: matrix products (``@`` / ``bmm``), 2 m n k each. Pinned against
   ``torch.utils.flop_counter.FlopCounterMode`` in tests/plan.
@@ -21,6 +22,7 @@ are left out.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Optional
 
 FP64 = 8
 
@@ -61,6 +63,12 @@ def _qr_q(m: int, n: int) -> float:
     return 4.0 * m * n * n - 4.0 * n**3 / 3.0
 
 
+def _qr_r(m: int, n: int) -> float:
+    """Householder QR of m x n, R only (either orientation: ``min`` reflectors)."""
+    a, b = min(m, n), max(m, n)
+    return 2.0 * b * a * a - 2.0 * a**3 / 3.0
+
+
 def heads_cost(heads: int, groups: int, head_dim: int, hidden: int, method: str, weight_bytes: int) -> Cost:
     """``check_heads`` for ``heads`` query heads and ``groups`` K groups (one layer, one rank)."""
     H, G, h, d = heads, groups, float(head_dim), float(hidden)
@@ -81,6 +89,61 @@ def heads_cost(heads: int, groups: int, head_dim: int, hidden: int, method: str,
         raise ValueError(f"qk method must be gram or compressed, got {method!r}")
     elements = (H + G) * h * d
     return Cost(gemm=gemm, factor=factor + dw_factor, bytes=elements * (4 * weight_bytes + 152))
+
+
+def mla_heads_cost(
+    heads: int, hidden: int, *, q_lora_rank: Optional[int], kv_lora_rank: int, d_nope: int, d_rope: int,
+    weight_bytes: int,
+) -> Cost:
+    """``mla_delta2_singular_values`` for ``heads`` query heads of one MLA layer on one rank.
+
+    Sizes: ``H = hidden``, ``r_q = q_lora_rank`` (None: no query latent), ``r_kv = kv_lora_rank``,
+    ``d_qk = d_nope + d_rope``, ``n_kv = r_kv + d_rope``; ``m_q = min(H, 2 r_q)`` and
+    ``m_kv = min(H, 2 n_kv)`` are the ranks of the stacked down projections ``[Qd; dQd]`` and
+    ``[KVd; dKVd]``. Counts as the kernel issues them (multiply-add = 2):
+
+    * once (every TP rank of the layer does it for its heads): thin Householder QRs (R only) of
+      ``[H, 2 r_q]`` and ``[H, 2 n_kv]``, ``~8 H r_q^2 + 8 H n_kv^2``;
+    * per head, GEMM: query coefficients ``4 d_qk r_q min(m_q, r_q) + 2 d_qk r_q m_q`` (``8 r_q^2 d_qk``
+      when ``H >= 2 r_q``), key coefficients ``4 d_nope r_kv min(m_kv, r_kv) + 2 d_nope r_kv m_kv``
+      (``(8 r_kv + 4 d_rope) r_kv d_nope``), cores ``2 x_w 2d_qk y_w + 2 x_c 2d_nope y_c``
+      (``16 (d_qk^3 + d_nope^3)``), with ``x_w = min(m_q, 2 d_qk)``, ``y_w = min(m_kv, 2 d_qk)``
+      the factors' rows and ``x_c``, ``y_c`` those rows capped at ``2 d_nope``;
+    * per head, factorizations: thin QRs (R only) of ``[m_q, 2 d_qk]`` and ``[m_kv, 2 d_qk]``
+      (``~16 r_q d_qk^2 + 16 n_kv d_qk^2``), ``svdvals`` of the ``[x_w, y_w]`` and ``[x_c, y_c]`` cores.
+    * Without a query latent the query side is a thin QR of ``[H, 2 d_qk]`` per head (``~8 H d_qk^2``,
+      no GEMM, no shared query QR), and ``m_q`` reads ``H``.
+
+    ``bytes``: the weights read (prev and now) and their float64 copies written and re-read, about
+    14 float64 passes per down-projection (or ``linear_q_proj``) element and 12 per up-projection
+    element (the difference, the stacked copy, the QR's passes); a planning figure like the rest.
+    """
+    n_h, h = float(heads), int(hidden)
+    d_qk, r_kv = d_nope + d_rope, kv_lora_rank
+    n_kv = r_kv + d_rope
+    m_kv = min(h, 2 * n_kv)
+    key_gemm = 4.0 * d_nope * r_kv * min(m_kv, r_kv) + 2.0 * d_nope * r_kv * m_kv
+    shared = _qr_r(h, 2 * n_kv)
+    if q_lora_rank is None:
+        m_q = h
+        query_gemm, query_qr = 0.0, _qr_r(h, 2 * d_qk)
+        down_elems, up_elems = float(n_kv) * h + n_h * d_qk * h, n_h * d_nope * r_kv
+    else:
+        r_q = q_lora_rank
+        m_q = min(h, 2 * r_q)
+        shared += _qr_r(h, 2 * r_q)
+        query_gemm = 4.0 * d_qk * r_q * min(m_q, r_q) + 2.0 * d_qk * r_q * m_q
+        query_qr = _qr_r(m_q, 2 * d_qk)
+        down_elems, up_elems = float(r_q + n_kv) * h, n_h * (d_qk * r_q + d_nope * r_kv)
+    x_w, y_w = min(m_q, 2 * d_qk), min(m_kv, 2 * d_qk)
+    x_c, y_c = min(x_w, 2 * d_nope), min(y_w, 2 * d_nope)
+    cores_gemm = 2.0 * x_w * (2 * d_qk) * y_w + 2.0 * x_c * (2 * d_nope) * y_c
+    per_head_factor = query_qr + _qr_r(m_kv, 2 * d_qk) + _svdvals(x_w, y_w) + _svdvals(x_c, y_c)
+    return Cost(
+        gemm=n_h * (query_gemm + key_gemm + cores_gemm),
+        factor=shared + n_h * per_head_factor,
+        bytes=down_elems * (2 * weight_bytes + 14 * FP64) + up_elems * (2 * weight_bytes + 12 * FP64),
+    )
 
 
 def full_cost(

@@ -1,8 +1,10 @@
 """Time one unit of each monitor component with the session's own kernels, on a device.
 
-Units: ``check_heads`` for one layer's heads on one rank, ``check_full`` for one layer's
-gathered Q/K, ``summarize_routing`` for one micro-batch of one router, the router-weight
-geometry of one router, and one snapshot copy. Inputs are synthetic (``W ~ N(0, 0.02)``,
+Units: ``check_heads`` for one layer's heads on one rank (with multi-head latent attention the
+MLA kernel ``mla_delta2_singular_values`` on the rank's heads, :func:`measure_mla_heads`),
+``check_full`` for one layer's gathered Q/K (MLA: its two projections from the hidden state),
+``summarize_routing`` for one micro-batch of one router, the router-weight geometry of one
+router, and one snapshot copy. Inputs are synthetic (``W ~ N(0, 0.02)``,
 ``dW`` Gaussian with RMS 1e-3, the magnitude of an increment over ~100 steps): the kernels' cost does not
 depend on the values (the Cholesky path of ``gram`` is taken for full-rank increments).
 
@@ -21,10 +23,15 @@ from typing import Callable, Optional
 
 import torch
 
+from mechmon_megatron.monitors.mla_increment import MLAWeights, mla_delta2_singular_values
 from mechmon_megatron.monitors.router import router_conditioning_ratio, router_weight_similarity, summarize_routing
+from mechmon_megatron.plan.shapes import LatentDims
+from mechmon_megatron.plan.work import mla_snapshot_elements
 from mechmon_megatron.session.attention_check import check_full, check_heads
 from mechmon_megatron.session.host import FullQK, QKWeights
 
+MLA_HEAD_CHUNK = 16
+"""Heads the MLA kernel processes together (its default, and the session's)."""
 SLOW_CALL_S = 5.0
 MEMORY_SHARE = 0.5
 """Largest share of the device's free memory a measurement may use."""
@@ -110,6 +117,57 @@ def full_memory(q_rows: int, k_rows: int, hidden: int, weight_bytes: int) -> flo
     return (q_rows + k_rows) * hidden * 4 * weight_bytes + 5 * 8 * q_rows * hidden
 
 
+def mla_heads_memory(heads: int, hidden: int, lat: LatentDims, weight_bytes: int) -> float:
+    """Bytes one :func:`measure_mla_heads` call holds at most (generous): the prev/now inputs, the
+    float64 copies of the stacked down projections, one head chunk's float64 up rows (hidden-space
+    query rows without a query latent) and coefficient matrices."""
+    elements = sum(mla_snapshot_elements(heads, hidden, lat).values())
+    chunk = min(heads, MLA_HEAD_CHUNK)
+    q_width = hidden if lat.q_lora_rank is None else lat.q_lora_rank
+    down = (lat.n_kv + (lat.q_lora_rank or 0)) * hidden
+    rows = chunk * (lat.d_qk * q_width + lat.d_nope * lat.kv_lora_rank)
+    coeff = chunk * 2 * lat.d_qk * (2 * q_width + 2 * lat.n_kv)
+    return 2 * elements * weight_bytes + 8 * (8 * down + 6 * rows + 3 * coeff)
+
+
+def _gamma_pair(n: int, dtype: torch.dtype, device: torch.device, gen: torch.Generator):
+    """A norm's gamma near 1 at ``t - delta`` and ``t``."""
+    prev, now = _pair((n,), dtype, device, gen)
+    return 1.0 + prev, 1.0 + now
+
+
+def _mla_layer(heads: int, hidden: int, lat: LatentDims, dtype: torch.dtype, device: torch.device,
+               gen: torch.Generator) -> tuple[MLAWeights, MLAWeights]:
+    """Synthetic prev/now weights of the tensors the MLA check reads (key rows of
+    ``linear_kv_up_proj`` only, as the snapshot holds them: ``d_v = 0`` for the kernel)."""
+    t = {"kv_down": _pair((lat.n_kv, hidden), dtype, device, gen),
+         "kv_up": _pair((heads * lat.d_nope, lat.kv_lora_rank), dtype, device, gen),
+         "kv_norm": _gamma_pair(lat.kv_lora_rank, dtype, device, gen)}
+    if lat.q_lora_rank is None:
+        t["q_proj"] = _pair((heads * lat.d_qk, hidden), dtype, device, gen)
+    else:
+        t["q_down"] = _pair((lat.q_lora_rank, hidden), dtype, device, gen)
+        t["q_up"] = _pair((heads * lat.d_qk, lat.q_lora_rank), dtype, device, gen)
+        t["q_norm"] = _gamma_pair(lat.q_lora_rank, dtype, device, gen)
+    return MLAWeights(**{k: v[0] for k, v in t.items()}), MLAWeights(**{k: v[1] for k, v in t.items()})
+
+
+def measure_mla_heads(
+    heads: int, hidden: int, lat: LatentDims, *, device: torch.device, dtype: torch.dtype, repeats: int
+) -> Timing:
+    """``mla_delta2_singular_values`` (content and whole streams) for ``heads`` heads of one MLA layer."""
+    prev, now = _mla_layer(heads, hidden, lat, dtype, device, _generator(device, 4))
+    seconds, calls = time_call(
+        lambda: mla_delta2_singular_values(prev, now, d_nope=lat.d_nope, d_rope=lat.d_rope, num_heads=heads,
+                                           head_chunk=MLA_HEAD_CHUNK),
+        device, repeats,
+    )
+    query = "no query latent" if lat.q_lora_rank is None else f"q_lora_rank {lat.q_lora_rank}"
+    what = (f"mla_delta2_singular_values({heads} heads, hidden {hidden}, {query}, kv_lora_rank {lat.kv_lora_rank}, "
+            f"d_nope {lat.d_nope}, d_rope {lat.d_rope}, {str(dtype).removeprefix('torch.')}) on {device.type}")
+    return Timing(seconds, calls, what)
+
+
 def measure_heads(
     heads: int, groups: int, head_dim: int, hidden: int, *, device: torch.device, dtype: torch.dtype,
     method: str, alpha: float, repeats: int,
@@ -129,8 +187,10 @@ def measure_heads(
 
 def measure_full(
     q_rows: int, k_rows: int, hidden: int, *, device: torch.device, dtype: torch.dtype, method: str,
-    rank: int, norm_iters: int, alpha: float, repeats: int,
+    rank: int, norm_iters: int, alpha: float, repeats: int, names: tuple[str, str] = ("W_q", "W_k"),
 ) -> Timing:
+    """``check_full`` on ``[q_rows, hidden]`` and ``[k_rows, hidden]`` (``names``: what the two are,
+    for the ``what`` text; MLA: its down projections)."""
     gen = _generator(device, 1)
     wq0, wq1 = _pair((q_rows, hidden), dtype, device, gen)
     wk0, wk1 = _pair((k_rows, hidden), dtype, device, gen)
@@ -139,7 +199,7 @@ def measure_full(
         lambda: check_full(1, prev, now, alpha=alpha, method=method, rank=rank, norm_iters=norm_iters),  # type: ignore[arg-type]
         device, repeats,
     )
-    what = (f"check_full(W_q [{q_rows}, {hidden}], W_k [{k_rows}, {hidden}], {method} rank {rank}, "
+    what = (f"check_full({names[0]} [{q_rows}, {hidden}], {names[1]} [{k_rows}, {hidden}], {method} rank {rank}, "
             f"{norm_iters} power iterations, {str(dtype).removeprefix('torch.')}) on {device.type}")
     return Timing(seconds, calls, what)
 

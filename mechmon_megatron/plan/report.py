@@ -20,11 +20,20 @@ import torch
 from mechmon_megatron.plan import measure
 from mechmon_megatron.plan.comm import check_comm_bytes
 from mechmon_megatron.plan.estimate import GPUS, GpuSpec, estimated_step_time_s, step_flops
-from mechmon_megatron.plan.flops import full_cost, heads_cost, router_stats_cost, router_weight_cost
+from mechmon_megatron.plan.flops import (
+    Cost,
+    full_cost,
+    heads_cost,
+    mla_heads_cost,
+    router_stats_cost,
+    router_weight_cost,
+)
 from mechmon_megatron.plan.shapes import ModelShape, ParallelLayout, PlanInputError, validate
 from mechmon_megatron.plan.work import (
     RankClass,
+    UnitShapes,
     micro_batches_per_step,
+    mla_snapshot_elements,
     rank_classes,
     router_tokens_per_micro_batch,
     unit_shapes,
@@ -65,7 +74,10 @@ class PlanOptions:
     ``weights="main"`` the Q and K rows of each layer's TP-local ``linear_qkv`` weight (FP32) are
     gathered over the data-parallel group to each replica that uses the layer (its per-head
     replica, and its full-matrix replica), on check and snapshot steps
-    (``adapters/megatron_core/main_params.py``: one guarded ``gather`` per using replica)."""
+    (``adapters/megatron_core/main_params.py``: one guarded ``gather`` per using replica). With MLA
+    the gathered tensors are those of the rank's per-head snapshot (``work.mla_snapshot_elements``),
+    also for the full-matrix replica, which needs only the down projections among them (an upper
+    bound)."""
     router_bins: int = _DEFAULTS.router_entropy_bins
     alpha: float = _DEFAULTS.alpha
     extra: dict = field(default_factory=dict)
@@ -121,7 +133,8 @@ class _Units:
         self.wb = WEIGHT_BYTES[opts.weights]
         u = self.units
         self.cost = {
-            "attn_heads": heads_cost(u.heads, u.groups, u.head_dim, u.hidden, opts.qk_method, self.wb),
+            "attn_heads": attn_heads_cost(u, opts.qk_method, self.wb),
+            # MLA: the same check_full on the two projections from the hidden state (work.py).
             "attn_full": full_cost(u.full_q_rows, u.full_k_rows, u.hidden, opts.full_matrix_method,
                                    opts.full_matrix_rank, opts.wq_norm_power_iters, self.wb),
         }
@@ -131,16 +144,17 @@ class _Units:
             self.cost["router_stats"] = router_stats_cost(self.tokens, shape.num_experts)
             self.cost["router_weights"] = router_weight_cost(shape.num_experts, shape.hidden_size)
         # Bytes a full-matrix owner receives in one TP gather (snapshot step and check step).
-        self.gather_bytes = u.full_elements * self.wb * (layout.tp - 1) / layout.tp
+        self.gather_bytes = u.gathered_elements(layout.tp) * self.wb * (layout.tp - 1) / layout.tp
         self.router_vector_bytes = 8 * ((shape.num_experts or 0) + opts.router_bins + 3)
         # The Q and K rows of the TP-local linear_qkv weight in FP32 (all its rows when a query
         # group spans TP ranks): what the main-parameter reader gathers to a using replica per layer.
         ng, tp = shape.num_query_groups, layout.tp
-        if ng >= tp:
-            rows = (shape.num_attention_heads + ng) * shape.kv_channels / tp
+        self.qk_main_bytes: float
+        if u.latent is not None:  # the rank's MLA tensors (PlanOptions.distributed_optimizer)
+            self.qk_main_bytes = 4.0 * u.heads_elements
         else:
-            rows = (shape.num_attention_heads + 2 * ng) * shape.kv_channels / tp
-        self.qk_main_bytes = 4 * rows * shape.hidden_size
+            rows = (shape.num_attention_heads + (ng if ng >= tp else 2 * ng)) * shape.kv_channels / tp
+            self.qk_main_bytes = 4 * rows * shape.hidden_size
         # A using replica receives every other DP rank's part: (dp - 1) / dp of those rows.
         self.main_gather_bytes = self.qk_main_bytes * (layout.dp - 1) / layout.dp
         self.layers_per_stage = shape.num_layers // layout.pp
@@ -151,7 +165,7 @@ class _Units:
         return {
             "attn_heads": w.head_units,
             "attn_full": full,
-            "tp_gather": 2 * full if self.layout.tp > 1 else 0,
+            "tp_gather": 2 * full if self.gather_bytes > 0 else 0,
             "main_param_gather": 2 * self.main_param_users(cls.example[0]),
             "snapshot_copy": 1 if (w.head_units or full) else 0,
             "router_stats": w.routers * self.micro_batches,
@@ -190,6 +204,21 @@ class _Units:
         return out
 
 
+def attn_heads_cost(u: UnitShapes, qk_method: str, weight_bytes: int) -> Cost:
+    """One per-head unit: classic ``check_heads``, or the MLA kernel on the rank's heads."""
+    if u.latent is not None:
+        return _mla_cost(u, u.heads, weight_bytes)
+    return heads_cost(u.heads, u.groups, u.head_dim, u.hidden, qk_method, weight_bytes)
+
+
+def _mla_cost(u: UnitShapes, heads: int, weight_bytes: int) -> Cost:
+    """The MLA kernel on ``heads`` heads of the unit's layer (fewer than the rank's when measured reduced)."""
+    lat = u.latent
+    assert lat is not None
+    return mla_heads_cost(heads, u.hidden, q_lora_rank=lat.q_lora_rank, kv_lora_rank=lat.kv_lora_rank,
+                          d_nope=lat.d_nope, d_rope=lat.d_rope, weight_bytes=weight_bytes)
+
+
 def _estimated_unit_times(units: _Units) -> dict[str, float]:
     """Reference-GPU time of one unit of each component (FLOP model)."""
     gpu = units.gpu
@@ -215,6 +244,7 @@ COPY_BYTES_PER_S = 2e9
 
 UNIT_NAMES = {
     "attn_heads": "check_heads (one layer's per-head Delta spectra)",
+    "attn_heads_mla": "mla_delta2_singular_values (one MLA layer's per-head Delta2 spectra)",
     "attn_full": "check_full (one layer's whole-matrix dW spectra)",
     "snapshot_copy": "one snapshot copy",
     "router_stats": "summarize_routing (one micro-batch of one router)",
@@ -276,17 +306,13 @@ def _measured_unit_times(units: _Units, per_set_bytes: int,
     def unit(name: str) -> None:
         k = next(position)
         elapsed = f" ({_duration(time.perf_counter() - started)} so far)" if k > 1 else ""
-        say(f"measuring {k}/{len(names)}: {UNIT_NAMES[name]}{elapsed}")
+        label = "attn_heads_mla" if name == "attn_heads" and u.latent is not None else name
+        say(f"measuring {k}/{len(names)}: {UNIT_NAMES[label]}{elapsed}")
 
     unit("attn_heads")
-    k = _reduction(lambda k: measure.heads_memory(_div(u.heads, k), _div(u.groups, k), u.head_dim, u.hidden,
-                                                  units.wb), device)
-    if k is not None:
-        heads, groups = _div(u.heads, k), _div(u.groups, k)
-        timing = measure.measure_heads(heads, groups, u.head_dim, u.hidden, device=device, dtype=dtype,
-                                       method=opts.qk_method, alpha=opts.alpha, repeats=opts.repeats)
-        reduced = heads_cost(heads, groups, u.head_dim, u.hidden, opts.qk_method, units.wb)
-        out["attn_heads"] = _scale_up(timing, units.cost["attn_heads"].flops / reduced.flops)
+    timing = _measure_heads_unit(units, device, dtype)
+    if timing is not None:
+        out["attn_heads"] = timing
     if opts.full_matrix_dw:
         k = _reduction(lambda k: measure.full_memory(_div(u.full_q_rows, k), _div(u.full_k_rows, k), u.hidden,
                                                      units.wb), device)
@@ -296,7 +322,7 @@ def _measured_unit_times(units: _Units, per_set_bytes: int,
             timing = measure.measure_full(
                 q_rows, k_rows, u.hidden, device=device, dtype=dtype, method=opts.full_matrix_method,
                 rank=opts.full_matrix_rank, norm_iters=opts.wq_norm_power_iters, alpha=opts.alpha,
-                repeats=opts.repeats)
+                repeats=opts.repeats, names=_full_names(u))
             reduced = full_cost(q_rows, k_rows, u.hidden, opts.full_matrix_method, opts.full_matrix_rank,
                                 opts.wq_norm_power_iters, units.wb)
             out["attn_full"] = _scale_up(timing, units.cost["attn_full"].flops / reduced.flops)
@@ -316,6 +342,37 @@ def _measured_unit_times(units: _Units, per_set_bytes: int,
             shape.num_experts, shape.hidden_size, device=device, repeats=opts.repeats)
     say(f"measured in {_duration(time.perf_counter() - started)}")
     return out
+
+
+def _measure_heads_unit(units: _Units, device: torch.device, dtype: torch.dtype) -> Optional[measure.Timing]:
+    """One per-head unit timed with its kernel (classic ``check_heads`` or the MLA kernel), at the
+    largest head count that fits in memory, scaled up by FLOPs (None: not even one head fits)."""
+    opts, u = units.opts, units.units
+    lat = u.latent
+    if lat is not None:
+        k = _reduction(lambda k: measure.mla_heads_memory(_div(u.heads, k), u.hidden, lat, units.wb), device)
+    else:
+        k = _reduction(lambda k: measure.heads_memory(_div(u.heads, k), _div(u.groups, k), u.head_dim, u.hidden,
+                                                      units.wb), device)
+    if k is None:
+        return None
+    heads = _div(u.heads, k)
+    if lat is not None:
+        timing = measure.measure_mla_heads(heads, u.hidden, lat, device=device, dtype=dtype, repeats=opts.repeats)
+        reduced = _mla_cost(u, heads, units.wb)
+    else:
+        groups = _div(u.groups, k)
+        timing = measure.measure_heads(heads, groups, u.head_dim, u.hidden, device=device, dtype=dtype,
+                                       method=opts.qk_method, alpha=opts.alpha, repeats=opts.repeats)
+        reduced = heads_cost(heads, groups, u.head_dim, u.hidden, opts.qk_method, units.wb)
+    return _scale_up(timing, units.cost["attn_heads"].flops / reduced.flops)
+
+
+def _full_names(u: UnitShapes) -> tuple[str, str]:
+    """What the full-matrix unit's two matrices are, for the measurement's text."""
+    if u.latent is None:
+        return "W_q", "W_k"
+    return ("linear_q_proj" if u.latent.q_lora_rank is None else "linear_q_down_proj"), "linear_kv_down_proj"
 
 
 def _duration(seconds: float) -> str:
@@ -461,6 +518,7 @@ def build_report(shape: ModelShape, layout: ParallelLayout, opts: PlanOptions,
             "router_tokens_per_micro_batch": units.tokens, "micro_batches_per_step": units.micro_batches,
         },
         "unit_shapes": asdict(units.units),
+        "attention": attention_summary(units.units, layout.tp),
         "snapshot_bytes_per_rank": snapshot_bytes,
         "snapshot_mib_per_rank": snapshot_bytes / 2**20,
         "snapshot_rank": _rank(snap_cls),
@@ -505,6 +563,22 @@ def build_report(shape: ModelShape, layout: ParallelLayout, opts: PlanOptions,
     return report
 
 
+def attention_summary(u: UnitShapes, tp: int) -> dict:
+    """What one attention unit reads (elements per tensor, ``[out, in]`` shapes): the per-head
+    unit of one rank and layer, the full-matrix unit, and whether the latter is TP-gathered."""
+    if u.latent is None:
+        heads = {"W_q rows": u.heads * u.head_dim * u.hidden, "W_k rows": u.groups * u.head_dim * u.hidden}
+        full = {"W_q": [u.full_q_rows, u.hidden], "W_k": [u.full_k_rows, u.hidden]}
+        kind = "classic"
+    else:
+        heads = mla_snapshot_elements(u.heads, u.hidden, u.latent)
+        q_name = _full_names(u)[0]
+        full = {q_name: [u.full_q_rows, u.hidden], "linear_kv_down_proj": [u.full_k_rows, u.hidden]}
+        kind = "multi-head latent attention"
+    return {"kind": kind, "heads_unit_elements": heads, "full_unit_shapes": full,
+            "full_unit_gathered_elements": u.gathered_elements(tp)}
+
+
 def _device_name(device: str) -> str:
     if device == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_name()
@@ -522,18 +596,44 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _attention_text(m: dict) -> str:
+    """The model line's attention part."""
+    if not m["multi_latent_attention"]:
+        return f"{m['num_query_groups']} K groups, head dim {m['kv_channels']}"
+    q = f"q_lora_rank {m['q_lora_rank']}" if m["q_lora_rank"] is not None else "no query latent"
+    return (f"multi-head latent attention ({q}, kv_lora_rank {m['kv_lora_rank']}, q/k head dim "
+            f"{m['qk_head_dim']} + {m['qk_pos_emb_head_dim']} RoPE, v head dim {m['v_head_dim']})")
+
+
+def _mla_lines(report: dict) -> list[str]:
+    """What one MLA layer's units read on the most loaded rank (nothing for classic attention)."""
+    att = report["attention"]
+    if att["kind"] == "classic":
+        return []
+    wb = report["settings"]["bytes_per_element"]
+    heads = att["heads_unit_elements"]
+    full = " + ".join(f"{name} {shape}" for name, shape in att["full_unit_shapes"].items())
+    gathered = "TP-gathered" if att["full_unit_gathered_elements"] else "replicated, no TP gather"
+    return [
+        f"MLA per-head unit ({report['unit_shapes']['heads']} heads of a layer on a rank): "
+        f"{sum(heads.values()) * wb / 2**20:.1f} MiB = " + ", ".join(f"{k} {v:,}" for k, v in heads.items())
+        + " elements",
+        f"MLA full-matrix unit: dW spectra of {full} ({gathered})",
+    ]
+
+
 def format_table(report: dict) -> str:
     """A terminal rendering of ``report``."""
     m, lay, s = report["model"], report["layout"], report["settings"]
     ct, ref = report["check_time_s_per_rank"], report["reference_gpu_estimate"]
     lines = [
         f"model {m['name']}: {m['num_layers']} layers, hidden {m['hidden_size']}, {m['num_attention_heads']} heads, "
-        f"{m['num_query_groups']} K groups, head dim {m['kv_channels']}"
-        + (f", {m['num_experts']} experts top-{m['moe_router_topk']}" if m["num_experts"] else ""),
+        + _attention_text(m) + (f", {m['num_experts']} experts top-{m['moe_router_topk']}" if m["num_experts"] else ""),
         f"layout TP {lay['tp']} x PP {lay['pp']} x DP {lay['dp']} (EP {lay['ep']}) = {lay['world_size']} ranks; "
         f"interval {s['interval']}, delta {s['delta']} ({s['overlap']} snapshot set(s)), {s['weights']} weights "
         f"({s['bytes_per_element']} B/elem)",
         f"snapshots: {report['snapshot_mib_per_rank']:.1f} MiB on the most loaded rank {report['snapshot_rank']}",
+        *_mla_lines(report),
         f"check FLOPs: {report['check_flops_per_rank']['total']:.3e} on rank {report['check_flops_per_rank']['rank']}",
         f"check records exchange: {report['check_comm_bytes_writer']:,} bytes on the writer, at most "
         f"{report['check_comm_bytes_per_rank']:,} on any other rank ({report['check_comm']['reporting_ranks']} "

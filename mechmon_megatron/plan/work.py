@@ -14,6 +14,21 @@ global layer ``L`` (1-based) on a pipeline stage (layers split evenly over PP st
   one all-reduce per router; router-weight geometry on one reporting rank per stage
   (dp rank 0, tp rank 0).
 
+Multi-head latent attention (``--multi-latent-attention``) keeps the same ranks, with its own tensors:
+
+* per-head work: ``mla_delta2_singular_values`` for the rank's ``np / tp`` heads, plus the two
+  thin QRs of the shared down projections, which every TP rank of the replica computes for itself.
+  Snapshot (:func:`mla_snapshot_elements`): ``linear_q_down_proj`` ``[r_q, H]`` whole (replicated
+  over TP, or counted whole where Megatron's local spec row-splits it), ``q_layernorm`` gamma,
+  the rank's rows of ``linear_q_up_proj`` ``[np/tp * d_qk, r_q]`` (without a query latent:
+  ``linear_q_proj`` ``[np/tp * d_qk, H]``), ``linear_kv_down_proj`` ``[r_kv + d_rope, H]``,
+  ``kv_layernorm`` gamma and only the key rows of ``linear_kv_up_proj`` ``[np/tp * d_nope, r_kv]``.
+* full-matrix work: the dW spectra of the two projections from the hidden state,
+  ``linear_q_down_proj`` (or ``linear_q_proj``) and ``linear_kv_down_proj``, on the same owner
+  rank. The down projections are replicated, so no TP gather (``linear_q_proj`` is split over TP
+  and is gathered), and where that rank also does the layer's per-head work its snapshot already
+  holds them (one snapshot, as with ``tp == 1``).
+
 ``overlap = ceil(delta / interval)`` snapshot sets are held at once.
 """
 
@@ -21,8 +36,25 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import Optional
 
-from mechmon_megatron.plan.shapes import ModelShape, ParallelLayout
+from mechmon_megatron.plan.shapes import LatentDims, ModelShape, ParallelLayout
+
+
+def mla_snapshot_elements(heads: int, hidden: int, lat: LatentDims) -> dict[str, int]:
+    """Elements of each tensor the MLA per-head check reads for ``heads`` query heads of one layer.
+
+    Keys are megatron-core's parameter names; shapes ``[out, in]`` as in the module docstring
+    (``H`` = ``hidden``). Value rows of ``linear_kv_up_proj`` are not read (they do not enter
+    the attention logits).
+    """
+    if lat.q_lora_rank is None:
+        query = {"linear_q_proj": heads * lat.d_qk * hidden}
+    else:
+        r_q = lat.q_lora_rank
+        query = {"linear_q_down_proj": r_q * hidden, "q_layernorm": r_q, "linear_q_up_proj": heads * lat.d_qk * r_q}
+    return {**query, "linear_kv_down_proj": lat.n_kv * hidden, "kv_layernorm": lat.kv_lora_rank,
+            "linear_kv_up_proj_key_rows": heads * lat.d_nope * lat.kv_lora_rank}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,27 +64,56 @@ class UnitShapes:
     heads: int
     """Query heads of a per-head unit (``np / tp``)."""
     groups: int
-    """K groups of a per-head unit (``ng / tp``, or 1 when ``ng < tp``)."""
+    """K groups of a per-head unit (``ng / tp``, or 1 when ``ng < tp``; 0 with MLA, which has none)."""
     head_dim: int
+    """Query/key head dim (MLA: ``d_nope + d_rope``)."""
     hidden: int
     full_q_rows: int
-    """Rows of the full W_q (``np * head_dim``)."""
+    """Rows of the full W_q (``np * head_dim``; MLA: ``r_q``, or ``np * d_qk`` without a query latent)."""
     full_k_rows: int
-    """Rows of the full W_k (``ng * head_dim``)."""
+    """Rows of the full W_k (``ng * head_dim``; MLA: ``linear_kv_down_proj``'s ``r_kv + d_rope``)."""
+    latent: Optional[LatentDims] = None
+    """The MLA sizes; None for classic attention."""
 
     @property
     def heads_elements(self) -> int:
-        """Snapshot elements of one per-head unit (Q rows + K rows of the rank)."""
+        """Snapshot elements of one per-head unit (classic: Q rows + K rows of the rank; MLA:
+        :func:`mla_snapshot_elements`)."""
+        if self.latent is not None:
+            return sum(mla_snapshot_elements(self.heads, self.hidden, self.latent).values())
         return (self.heads + self.groups) * self.head_dim * self.hidden
 
     @property
     def full_elements(self) -> int:
-        """Snapshot elements of one full-matrix unit (all Q + K rows of the layer)."""
+        """Snapshot elements of one full-matrix unit (all Q + K rows of the layer; MLA: the two
+        projections from the hidden state)."""
         return (self.full_q_rows + self.full_k_rows) * self.hidden
+
+    def gathered_elements(self, tp: int) -> int:
+        """Elements of one full-matrix unit that live on other TP ranks and are gathered (all of it
+        for classic attention; with MLA only ``linear_q_proj``: the down projections are replicated)."""
+        if tp == 1:
+            return 0
+        if self.latent is None:
+            return self.full_elements
+        return self.full_q_rows * self.hidden if self.latent.q_lora_rank is None else 0
+
+
+def full_inside_heads(shape: ModelShape, layout: ParallelLayout) -> bool:
+    """Whether a rank doing a layer's per-head and full-matrix work holds one snapshot for both:
+    with ``tp == 1`` (the rank's rows are the whole layer), and with MLA's replicated down
+    projections, which the per-head snapshot holds anyway."""
+    lat = shape.latent()
+    return layout.tp == 1 or (lat is not None and lat.q_lora_rank is not None)
 
 
 def unit_shapes(shape: ModelShape, layout: ParallelLayout) -> UnitShapes:
     tp, ng = layout.tp, shape.num_query_groups
+    lat = shape.latent()
+    if lat is not None:
+        q_rows = shape.num_attention_heads * lat.d_qk if lat.q_lora_rank is None else lat.q_lora_rank
+        return UnitShapes(heads=shape.num_attention_heads // tp, groups=0, head_dim=lat.d_qk,
+                          hidden=shape.hidden_size, full_q_rows=q_rows, full_k_rows=lat.n_kv, latent=lat)
     return UnitShapes(
         heads=shape.num_attention_heads // tp,
         groups=ng // tp if ng >= tp else 1,
@@ -72,7 +133,7 @@ class RankWork:
     full_units: int
     """Layers whose full-matrix work this rank does."""
     shared_units: int
-    """Layers where this rank's per-head and full snapshots are one tensor (tp == 1)."""
+    """Layers where this rank's per-head snapshot holds its full-matrix one (:func:`full_inside_heads`)."""
     routers: int
     """MoE layers on this rank's stage (hook statistics and one all-reduce each)."""
     reporting_routers: int
@@ -104,7 +165,7 @@ def rank_work(shape: ModelShape, layout: ParallelLayout, pp_rank: int, dp_rank: 
     layers = range(pp_rank * per_stage + 1, (pp_rank + 1) * per_stage + 1)
     heads = [L for L in layers if (L - 1) % dp == dp_rank]
     full = [L for L in layers if (L - 1) % (dp * tp) == dp_rank * tp + tp_rank]
-    shared = len(set(heads) & set(full)) if tp == 1 else 0
+    shared = len(set(heads) & set(full)) if full_inside_heads(shape, layout) else 0
     routers = sum(1 for L in layers if shape.is_moe_layer(L))
     reporting = routers if (dp_rank == 0 and tp_rank == 0) else 0
     return RankWork(head_units=len(heads), full_units=len(full), shared_units=shared, routers=routers,

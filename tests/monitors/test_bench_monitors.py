@@ -42,3 +42,15 @@ def test_table_output_and_bad_args(capsys):
     assert "gram" in out and "dense (scaled)" in out
     with pytest.raises(SystemExit):
         bench.main(["--hidden", "16", "--num-heads", "3", "--head-dim", "4", "--num-groups", "2"])
+
+
+def test_mla_option_runs_the_mla_benchmark(capsys):
+    """``--mla`` is tools/bench_mla.py's benchmark (kernel against explicit A_h, B_h), its flags and JSON."""
+    bench = load_bench()
+    tiny = ["--hidden", "64", "--num-heads", "4", "--q-lora-rank", "16", "--kv-lora-rank", "8", "--d-nope", "8",
+            "--d-rope", "4", "--d-v", "8", "--repeats", "1"]
+    report = bench.main(["--mla", *tiny, "--json"])
+    assert json.loads(capsys.readouterr().out)["config"] == report["config"]
+    assert report["config"]["q_lora_rank"] == 16 and report["config"]["num_heads"] == 4
+    assert set(report["times_s"]) == {"mla_latent", "explicit_baseline"}
+    assert report["max_rel_err"] <= 1e-8

@@ -24,14 +24,11 @@ def test_llama3_presets_have_the_published_shapes(name, layers, hidden, heads, g
     assert s.params_per_token() == pytest.approx(params, rel=0.01)
 
 
-def test_deepseek_v3_like_preset():
+def test_deepseek_v3_preset_routers():
     s = PRESETS["deepseek-v3"]
-    assert (s.num_layers, s.hidden_size, s.num_attention_heads, s.num_experts, s.moe_router_topk) == (
-        61, 7168, 128, 256, 8)
     assert s.first_dense_layers == 3 and s.num_moe_layers == 58
     assert not s.is_moe_layer(3) and s.is_moe_layer(4)
-    assert s.params_per_token() == 37e9  # the published active parameters, not the MLA-as-MHA count
-    assert "MLA" in s.note
+    assert "MLA" in s.note  # the attention shapes: tests/plan/test_plan_mla.py
 
 
 def _layout(tp=1, pp=1, dp=1, ep=1):
