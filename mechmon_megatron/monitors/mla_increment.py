@@ -76,6 +76,7 @@ to 1 of ``W``, some rank 1: at most 6e-8 relative, 5e-12 of the largest value ab
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -139,6 +140,21 @@ class MLAWeights:
     def has_q_latent(self) -> bool:
         """Whether the query goes through a latent (``q_lora_rank`` set)."""
         return self.q_proj is None
+
+    def tensors(self) -> list[Tensor]:
+        """Every tensor given (the ``None`` fields left out)."""
+        return [t for t in (self.kv_down, self.kv_up, self.kv_norm, self.q_down, self.q_norm, self.q_up, self.q_proj)
+                if t is not None]
+
+    def map(self, fn: Callable[[Tensor], Tensor]) -> MLAWeights:
+        """The same structure with ``fn`` applied to every tensor given (a copy, a device move)."""
+
+        def each(t: Tensor | None) -> Tensor | None:
+            return None if t is None else fn(t)
+
+        return MLAWeights(kv_down=fn(self.kv_down), kv_up=fn(self.kv_up), kv_norm=each(self.kv_norm),
+                          q_down=each(self.q_down), q_norm=each(self.q_norm), q_up=each(self.q_up),
+                          q_proj=each(self.q_proj))
 
 
 def mla_delta2_singular_values(

@@ -8,32 +8,21 @@ as the layer's ``attn_delta2`` members; the whole stream is recorded only (docs/
 
 from __future__ import annotations
 
-from dataclasses import fields
-
 import torch
 
-from mechmon_megatron.monitors.mla_increment import MLAWeights, mla_delta2_singular_values
+from mechmon_megatron.monitors.mla_increment import mla_delta2_singular_values
 from mechmon_megatron.monitors.spectral import spectral_stats
 from mechmon_megatron.session import names
 from mechmon_megatron.session.host import MLAHeads
 from mechmon_megatron.session.records import CheckOutput, Family, NonFinite, Partial, Stream
 
 
-def _tensors(w: MLAWeights) -> list[torch.Tensor]:
-    return [t for t in (getattr(w, f.name) for f in fields(w)) if t is not None]
-
-
-def _on(w: MLAWeights, device: torch.device) -> MLAWeights:
-    return MLAWeights(**{f.name: (None if getattr(w, f.name) is None else getattr(w, f.name).to(device))
-                         for f in fields(w)})
-
-
 def check_mla_heads(layer_number: int, prev: MLAHeads, now: MLAHeads, alpha: float,
                     per_head_scalars: bool, head_chunk: int = 16) -> CheckOutput:
     """Content and whole Delta2 entropy per head for the MLA heads one rank reports."""
     device = now.weights.kv_down.device
-    before = _on(prev.weights, device)
-    tensors = _tensors(before) + _tensors(now.weights)
+    before = prev.weights.map(lambda t: t.to(device))
+    tensors = before.tensors() + now.weights.tensors()
     finite = bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())  # one host sync
     if not finite:
         return CheckOutput(nonfinite=[NonFinite(layer_number, f"layer {layer_number}: non-finite MLA Q/K weights")])

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from mechmon_megatron.monitors.mla_increment import MLAWeights
 from mechmon_megatron.monitors.norm_fold import NormFold
 from mechmon_megatron.session.config import MechmonConfig
 from mechmon_megatron.session.host import AttentionSite, FullQK, MLAHeads, QKWeights
@@ -251,10 +250,7 @@ class SnapshotStore:
                              q_norm=_copy_norm(heads.q_norm, copies),
                              k_norm=_copy_norm(heads.k_norm, copies)), full_copy
         if isinstance(heads, MLAHeads):
-            w = heads.weights
-            weights = MLAWeights(**{name: (None if value is None else copies(value))
-                                    for name, value in _mla_tensors(w)})
-            return replace(heads, weights=weights), full_copy
+            return replace(heads, weights=heads.weights.map(copies)), full_copy
         return None, full_copy
 
 
@@ -283,16 +279,12 @@ def _copy_norm(norm: Optional[NormFold], copies: _SharedCopies) -> Optional[Norm
     return NormFold(gamma=copies(norm.gamma), centres=norm.centres)
 
 
-def _mla_tensors(w: MLAWeights) -> list[tuple[str, Optional[torch.Tensor]]]:
-    return [(f.name, getattr(w, f.name)) for f in fields(w)]
-
-
 def _record_tensors(record: Optional[Record]) -> list[torch.Tensor]:
     """Every tensor a snapshot record holds."""
     if record is None:
         return []
     if isinstance(record, MLAHeads):
-        return [t for _, t in _mla_tensors(record.weights) if t is not None]
+        return record.weights.tensors()
     out = [record.wq, record.wk]
     if isinstance(record, QKWeights):
         out += [n.gamma for n in (record.q_norm, record.k_norm) if n is not None and n.gamma is not None]

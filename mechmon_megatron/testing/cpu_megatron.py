@@ -54,9 +54,16 @@ Patches (see ``PATCHES`` for the exact module list):
    installed ``start_grad_sync`` calls ``current_stream``; megatron-core 0.16 does not, and
    behaves exactly as before.
 
+9. ``attention-head-dims``: multi-head latent attention builds its core attention with
+   ``k_channels`` / ``v_channels`` (query/key and value head dims differ), which megatron-core's
+   local ``DotProductAttention`` refuses in 0.16.1 and 0.19 (only Transformer Engine's takes
+   them). The wrapper accepts both and sizes the output from ``v_channels``; the rest of the
+   local forward already follows the tensors' shapes. Applied when the installed class lacks the
+   argument.
+
 Which release needs what (checked on the code paths of ``tests/megatron_core``, ``tests/session``,
-``tests/deepspeed`` and ``python -m gpt_trainer``): megatron-core 0.16.1 (Python 3.11) needs 1-7;
-0.19.2 (Python 3.12, torch's CUDA build on a machine without a GPU) needs 1-3 and 5-8, and binds
+``tests/deepspeed`` and ``python -m gpt_trainer``): megatron-core 0.16.1 (Python 3.11) needs 1-7 (and 9 for MLA);
+0.19.2 (Python 3.12, torch's CUDA build on a machine without a GPU) needs 1-3 and 5-8 (and 9), and binds
 ``te_general_gemm`` itself (patch 4 is then skipped).
 
 Not patched (unsupported on CPU, fail loudly): the alltoall/flex MoE token dispatchers (CUDA
@@ -67,6 +74,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import logging
 from typing import Any, Callable
 
@@ -366,6 +374,37 @@ def _uses_cuda_current_stream() -> bool:
             and isinstance(getattr(param_and_grad_buffer, "torch", None), _CpuTorch))
 
 
+def _patch_attention_head_dims() -> bool:
+    """Patch 9: let the local ``DotProductAttention`` take MLA's ``k_channels`` / ``v_channels``.
+
+    ``MultiLatentAttention`` builds its core attention with ``k_channels`` (the query/key head dim
+    ``qk_head_dim + qk_pos_emb_head_dim``) and ``v_channels`` (``v_head_dim``), which only
+    Transformer Engine's attention accepts; the local one raises TypeError. Its forward works from
+    the tensors' shapes except for the output width, ``hidden_size_per_partition`` (``kv_channels``
+    heads): the wrapper takes both arguments and sets that width from ``v_channels``. MLA passes
+    its own ``softmax_scale`` (``1 / sqrt(k_channels)``, or the YaRN-scaled one), so the default
+    scale from ``kv_channels`` is never used there.
+    """
+    try:
+        from megatron.core.transformer import dot_product_attention as dpa
+    except ImportError:
+        return False
+    cls = dpa.DotProductAttention
+    original = cls.__init__
+    if "k_channels" in inspect.signature(original).parameters or getattr(original, "_mechmon_cpu", False):
+        return False
+
+    @functools.wraps(original)
+    def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+        original(self, *args, **kwargs)
+        if v_channels is not None:
+            self.hidden_size_per_partition = int(v_channels) * self.num_attention_heads_per_partition
+
+    __init__._mechmon_cpu = True  # type: ignore[attr-defined]
+    cls.__init__ = __init__
+    return True
+
+
 def enable_cpu_compat() -> list[str]:
     """Apply the CPU patches once (idempotent); no-op when CUDA is available.
 
@@ -387,6 +426,7 @@ def enable_cpu_compat() -> list[str]:
         ("embedding-tie-cuda", _patch_embedding_tie),
         ("optimizer-type-check", _patch_optimizer_type_check),
         ("cuda-stream-stub", _uses_cuda_current_stream),
+        ("attention-head-dims", _patch_attention_head_dims),
     ):
         if fn():
             _applied.append(name)

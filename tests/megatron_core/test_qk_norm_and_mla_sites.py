@@ -179,9 +179,9 @@ def test_mla_shape_that_does_not_reconcile_is_left_out(model_parallel):
 
 
 def test_cross_attention_is_named_as_left_out(model_parallel):
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.attention import CrossAttention, CrossAttentionSubmodules
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
