@@ -13,13 +13,16 @@ regex, pyyaml on 0.19.0 in the current venv) may live in a separate directory na
 copied; it is never modified.
 
 Two ranks (gloo, plain processes so each rank's exit code is visible), a tiny GPT-MoE on mock
-data, ``--mechmon-drill-at 20 --mechmon-action checkpoint-and-abort``; then a resume to 30.
+data, ``--mechmon-drill-at 20 --mechmon-action checkpoint-and-abort``; then a resume to 30. And
+the same model with multi-head latent attention and with QK-norm under tensor parallelism: every
+head monitored.
 """
 
 from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import socket
 import subprocess
@@ -27,7 +30,7 @@ import sys
 
 import pytest
 from checkout_utils import copy_checkout
-from tiny_gpt_flags import TINY_GPT_MOE
+from tiny_gpt_flags import FRONTIER_ATTENTION, TINY_GPT_MOE
 
 from mechmon_megatron.adapters.megatron_lm import patch_tool as mp
 from tests.megatron_core._dist_state import saved_state, shard_keys
@@ -72,6 +75,7 @@ def launch(checkout, workdir: str, extra: list[str], tag: str) -> tuple[list[int
     paths = [checkout, REPO] + [p for p in os.environ.get("MECHMON_E2E_PYTHONPATH", "").split(os.pathsep) if p]
     env.update(
         PYTHONPATH=os.pathsep.join(paths), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
+        CUDA_DEVICE_MAX_CONNECTIONS="1",  # Megatron requires it with tensor parallelism, on CPU too
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
     )
     common = TINY_GPT_MOE + ["--save", os.path.join(workdir, "ckpt"), "--tensorboard-dir", os.path.join(workdir, "tb")]
@@ -146,3 +150,32 @@ def test_drill_checkpoints_aborts_and_resumes(checkout, tmp_path):
     assert codes == [0] * WORLD, _tail(log)
     assert "restored detector state from" in log and "iteration       30/      30" in log
     assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == "30"
+
+
+@pytest.mark.parametrize("variant", sorted(FRONTIER_ATTENTION))
+def test_frontier_attention_is_monitored(checkout, tmp_path, variant):
+    """Multi-head latent attention and QK-norm models (tensor parallel 2 with sequence parallelism):
+    every head of every layer has its Delta2 scalar in TensorBoard, MLA also its whole stream;
+    no layer is left out and no monitor phase fails."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    workdir = str(tmp_path)
+    extra = [*FRONTIER_ATTENTION[variant], "--tensor-model-parallel-size", "2", "--sequence-parallel",
+             "--train-iters", "11", "--mechmon-per-head-scalars"]
+    codes, log = launch(checkout, workdir, extra, variant)
+    assert codes == [0] * WORLD, _tail(log)
+    assert "monitoring 2 attention layers" in log and "leave out" not in log, _tail(log)
+    assert "[mechmon] done: 2 checks this launch" in log
+    problems = [line for line in log.splitlines() if "[mechmon]" in line and ("fail" in line or "error" in line)]
+    assert not problems, problems
+    events = EventAccumulator(glob.glob(os.path.join(workdir, "tb", "events.out.tfevents.*"))[0],
+                              size_guidance={"scalars": 0})
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    wanted = [f"mechmon/attn/delta2_entropy/layer_{layer}/head_{head}" for layer in (1, 2) for head in range(4)]
+    if variant == "mla":
+        wanted += [f"mechmon/attn/delta2_whole_entropy/layer_{layer}" for layer in (1, 2)]
+    for name in wanted:
+        assert name in tags, sorted(tags)
+        assert [e.step for e in events.Scalars(name)] == [5, 10]
+        assert all(math.isfinite(e.value) and e.value > 0 for e in events.Scalars(name))

@@ -17,3 +17,16 @@ TINY_GPT_MOE: list[str] = [
     "--log-interval", "5", "--eval-iters", "0", "--eval-interval", "1000", "--save-interval", "1000",
     "--mechmon", "--mechmon-interval", "5", "--mechmon-delta", "5",
 ]
+
+MLA: list[str] = [
+    "--multi-latent-attention", "--qk-layernorm", "--rope-type", "rope", "--q-lora-rank", "32",
+    "--kv-lora-rank", "16", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16",
+]
+"""Multi-head latent attention on the tiny model (with its latent RMSNorms: ``--qk-layernorm`` builds
+``q_layernorm`` / ``kv_layernorm`` for MLA); plain RoPE, since megatron-core's YaRN embedding asks
+for a CUDA device at construction."""
+
+QK_NORM: list[str] = ["--qk-layernorm", "--num-query-groups", "2"]
+"""QK-norm (a per-head RMSNorm on queries and keys, as in Qwen3 / OLMo 2) on the tiny GQA model."""
+
+FRONTIER_ATTENTION: dict[str, list[str]] = {"mla": MLA, "qk_norm": QK_NORM}
