@@ -5,6 +5,7 @@
     python tools/detector_study.py export --out runs/detector_study --to docs/data/detector_study
     python tools/detector_study.py analyze --out /tmp/ds --records docs/data/detector_study  # no training
     python tools/detector_study.py run --plan short-window --out ../detector_runs/short_window --jobs 1
+    python tools/detector_study.py run --plan frontier-mla --out runs/frontier_mla --jobs 2
     python tools/detector_study.py export --plan short-window --out ../detector_runs/short_window \
         --to docs/data/short_window_study
 
@@ -22,15 +23,18 @@ import sys
 from typing import Optional
 
 from mechmon_megatron.research.study.campaign import launch_campaign
+from mechmon_megatron.research.study.frontier_plan import FRONTIER_VARIANTS, plan_frontier_campaign
 from mechmon_megatron.research.study.long_plan import CampaignRun, plan_campaign
 from mechmon_megatron.research.study.short_window_plan import plan_short_window_campaign, write_provisional_calibration
 
-PLANS = ("study", "short-window")
+PLANS = ("study", "short-window", *(f"frontier-{v}" for v in FRONTIER_VARIANTS))
 
 
 def _plan(name: str, out_dir: str) -> list[CampaignRun]:
     if name == "short-window":
         return plan_short_window_campaign(write_provisional_calibration(out_dir))
+    if name.startswith("frontier-"):
+        return plan_frontier_campaign(name.removeprefix("frontier-"))
     return plan_campaign()
 
 
@@ -55,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-progress", action="store_true")
     run.add_argument("--plan", choices=PLANS, default="study",
                      help="study: the detector study (long_plan); short-window: its runs recorded with "
-                     "--mechmon-short-window (short_window_plan, issue 19).")
+                     "--mechmon-short-window (short_window_plan); frontier-mla / frontier-qknorm: its grid on "
+                     "multi-head latent attention / QK-norm (frontier_plan).")
     analyze = sub.add_parser("analyze", help="Calibrate the detector and compare rules at equal false-alarm rate.")
     analyze.add_argument("--out", required=True, help="Campaign directory (outputs go to OUT/analysis).")
     analyze.add_argument("--records", default=None,

@@ -81,9 +81,10 @@ def _flags(preset: Preset, scenario: str, seed: int, train_iters: int, extra: tu
     return tuple(flags) + tuple(extra)
 
 
-def long_preset() -> Preset:
-    """The ``full`` preset's model and monitor schedule, on the 10,000-step LR schedule."""
-    return replace(PRESETS["full"], name="long", train_iters=HEALTHY_ITERS, lr_decay_iters=HEALTHY_ITERS)
+def long_preset(base: str = "full") -> Preset:
+    """The ``base`` preset's model and monitor schedule, on the 10,000-step LR schedule."""
+    name = "long" if base == "full" else f"long-{base}"
+    return replace(PRESETS[base], name=name, train_iters=HEALTHY_ITERS, lr_decay_iters=HEALTHY_ITERS)
 
 
 def plan_campaign(preset: Optional[Preset] = None) -> list[CampaignRun]:
