@@ -3,8 +3,8 @@
 ``args`` (flags), ``data`` (corpus, sampler), ``model`` (config, layer spec, init, DDP),
 ``checkpoint`` (dist_checkpointing), ``callbacks`` (hook API), ``metrics`` (TensorBoard, JSONL),
 ``runtime`` (process groups, seeds), ``loop`` (training), ``main`` (wiring), ``attention``
-(the ``--attention-backend`` registry), ``monitored`` (the trainer with the mechmon monitors;
-``python -m gpt_trainer``).
+(the ``--attention-backend`` registry), ``attention_variants`` (multi-head latent attention,
+QK-norm), ``monitored`` (the trainer with the mechmon monitors; ``python -m gpt_trainer``).
 
 Installed with mechmon-megatron as the top-level package ``gpt_trainer`` (setup.py maps it from
 ``examples/pretrain_scripts/gpt_trainer``), so it runs from a non-editable install too.

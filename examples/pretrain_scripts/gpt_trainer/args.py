@@ -12,6 +12,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 
 from .attention import add_attention_args, prepare_attention
+from .attention_variants import add_attention_variant_args, validate_attention_variant
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
@@ -155,7 +156,8 @@ def build_parser(extra_args_providers: Optional[Iterable[ArgsProvider]] = None
     """The trainer's parser; each extra provider ``fn(parser) -> parser`` may add flags."""
     parser = argparse.ArgumentParser(description="Megatron-core GPT / GPT-MoE example trainer",
                                      allow_abbrev=False)
-    for add in (_model_args, add_attention_args, _training_args, _parallel_args, _io_args):
+    for add in (_model_args, add_attention_variant_args, add_attention_args, _training_args, _parallel_args,
+                _io_args):
         add(parser)
     for provider in extra_args_providers or ():
         parser = provider(parser)
@@ -207,6 +209,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     multiple = args.make_vocab_size_divisible_by * tp
     args.padded_vocab_size = -(-args.vocab_size // multiple) * multiple
     prepare_attention(args)
+    validate_attention_variant(args)
     return args
 
 

@@ -29,9 +29,12 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from .attention import core_attention_spec
+from .attention_variants import config_class_and_kwargs, layer_spec_kwargs
 
 
 def build_transformer_config(args: argparse.Namespace) -> TransformerConfig:
+    """The TransformerConfig of the flags (an ``MLATransformerConfig`` with --multi-latent-attention)."""
+    config_class, variant = config_class_and_kwargs(args)
     moe = {}
     if args.num_experts is not None:
         moe = dict(
@@ -56,7 +59,7 @@ def build_transformer_config(args: argparse.Namespace) -> TransformerConfig:
             moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
         )
         moe.update({k: v for k, v in optional.items() if v is not None})
-    return TransformerConfig(
+    return config_class(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
@@ -82,6 +85,7 @@ def build_transformer_config(args: argparse.Namespace) -> TransformerConfig:
         persist_layer_norm=False,
         log_max_attention_logit=bool(getattr(args, "log_max_attention_logit", False)),
         **moe,
+        **variant,
     )
 
 
@@ -93,7 +97,8 @@ def model_dtype(args: argparse.Namespace) -> torch.dtype:
 def build_layer_spec(args: argparse.Namespace, core_attention: Optional[Any] = None) -> ModuleSpec:
     """The local (no Transformer Engine) GPT layer spec; ``core_attention`` replaces
     ``DotProductAttention`` (default: the ``--attention-backend`` registry entry)."""
-    spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False)
+    spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False,
+                                    **layer_spec_kwargs(args))
     if core_attention is None:
         core_attention = core_attention_spec(args)
     if core_attention is not None:
@@ -167,6 +172,11 @@ def _tp_coords(param: torch.nn.Parameter) -> tuple[int, int]:
 
 @torch.no_grad()
 def init_params_layout_independent(model: GPTModel, args: argparse.Namespace) -> None:
+    """Every 1-D parameter: norm gammas 1 (the QK-norm's ``q_layernorm`` / ``k_layernorm`` and MLA's
+    latent ``q_layernorm`` / ``kv_layernorm`` included), biases 0; every matrix N(0, std) by its
+    global name (MLA's ``linear_q_proj`` / ``linear_q_down_proj`` / ``linear_q_up_proj`` /
+    ``linear_kv_down_proj`` / ``linear_kv_up_proj`` as megatron's ``init_method``), the output
+    projections ``linear_proj`` and ``linear_fc2`` with megatron's scaled std."""
     std = args.init_method_std
     out_std = std / math.sqrt(2.0 * args.num_layers)  # Megatron's scaled output init
     for name, param in model.named_parameters():

@@ -5,7 +5,13 @@
 ``forward(query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
 packed_seq_params=None)``, inputs ``[sq, b, np, hn]`` (keys and values ``[sk, b, ng, hn]``, with
 ``np``/``ng`` the heads/query groups local to this tensor-parallel rank) and output
-``[sq, b, np * hn]``. Backends:
+``[sq, b, np * hn]``. Multi-head latent attention (megatron-core's ``MLASelfAttention``) builds its
+core attention with ``k_channels`` (the query/key head dim ``d_qk = qk_head_dim +
+qk_pos_emb_head_dim``) and ``v_channels`` (``d_v = v_head_dim``), which megatron-core's local
+``DotProductAttention`` refuses: here queries are ``[sq, b, np, d_qk]``, keys ``[sk, b, ng, d_qk]``,
+values ``[sk, b, ng, d_v]`` and the output ``[sq, b, np * d_v]`` (``torch`` and
+``emulated-lowp-fa``; ``flash-attn`` and ``fp8`` refuse ``d_qk != d_v``). The score scale is the
+``softmax_scale`` given (MLA passes ``mscale**2 / sqrt(d_qk)``), else ``1 / sqrt(d_qk)``. Backends:
 
 - ``"torch"``: ``torch.nn.functional.scaled_dot_product_attention``.
 - ``"emulated-lowp-fa"``: the emulated BF16 FlashAttention of
@@ -103,7 +109,9 @@ def _check_backend(backend: str) -> None:
 class MechmonCoreAttention(MegatronModule):
     """Core attention with a selectable backend; see the module docstring.
 
-    The first eight arguments are those of megatron-core's ``DotProductAttention``; ``backend``,
+    The first eight arguments are those of megatron-core's ``DotProductAttention``;
+    ``k_channels`` / ``v_channels`` (query/key and value head dims, default ``config.kv_channels``)
+    those of Transformer Engine's, which megatron-core's ``MLASelfAttention`` passes; ``backend``,
     ``fault`` and ``emulation`` come from the ``ModuleSpec`` params
     (:func:`build_core_attention_spec`).
     """
@@ -118,6 +126,8 @@ class MechmonCoreAttention(MegatronModule):
         softmax_scale: Optional[float] = None,
         cp_comm_type: Optional[str] = None,
         pg_collection: Optional[ProcessGroupCollection] = None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
         *,
         backend: AttentionBackend = "torch",
         fault: Optional[FaultConfig] = None,
@@ -135,9 +145,12 @@ class MechmonCoreAttention(MegatronModule):
         tp_size = pg_collection.tp.size()
         self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp_size)
         self.num_query_groups_per_partition = divide(config.num_query_groups, tp_size)
-        self.hidden_size_per_attention_head = config.kv_channels
+        self.k_channels = k_channels if k_channels is not None else config.kv_channels
+        self.v_channels = v_channels if v_channels is not None else config.kv_channels
+        _check_head_dims(backend, self.k_channels, self.v_channels)
+        self.hidden_size_per_attention_head = self.v_channels  # the output's per-head width
         self.softmax_scale = (
-            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.k_channels)
         )
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         if backend == "emulated-lowp-fa" and self.dropout_p > 0:
@@ -156,7 +169,7 @@ class MechmonCoreAttention(MegatronModule):
 
         return te.DotProductAttention(
             num_attention_heads=self.num_attention_heads_per_partition,
-            kv_channels=config.kv_channels,
+            kv_channels=self.k_channels,  # == v_channels (_check_head_dims)
             num_gqa_groups=self.num_query_groups_per_partition,
             attention_dropout=self.dropout_p,
             qkv_format="sbhd",
@@ -175,14 +188,15 @@ class MechmonCoreAttention(MegatronModule):
         attention_bias: Optional[Tensor] = None,
         packed_seq_params=None,
     ) -> Tensor:
-        """Attend ``query [sq,b,np,hn]`` over ``key``, ``value [sk,b,ng,hn]``; -> ``[sq,b,np*hn]``."""
+        """Attend ``query [sq,b,np,d_qk]`` over ``key [sk,b,ng,d_qk]``, ``value [sk,b,ng,d_v]``;
+        -> ``[sq,b,np*d_v]`` (``d_qk == d_v == hn`` except in multi-head latent attention)."""
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError(
                 "MechmonCoreAttention supports neither packed sequences nor attention bias; "
                 "use megatron's TEDotProductAttention for those."
             )
         causal = self._is_causal(attn_mask_type, attention_mask, query.shape[0], key.shape[0])
-        sq, b, n_heads, head_dim = query.shape
+        sq, b, n_heads = query.shape[:3]
         if n_heads % key.shape[2] != 0:
             raise ValueError(
                 f"{n_heads} local query heads are not a multiple of {key.shape[2]} key groups."
@@ -193,7 +207,7 @@ class MechmonCoreAttention(MegatronModule):
             context = self._fp8(query, key, value)
         else:
             context = self._bhnd_backend(query, key, value, causal)
-        return context.reshape(sq, b, n_heads * head_dim)
+        return context.reshape(sq, b, n_heads * value.shape[-1])
 
     def _is_causal(
         self, attn_mask_type: Optional[AttnMaskType], attention_mask: Optional[Tensor], sq: int, sk: int
@@ -267,6 +281,15 @@ class MechmonCoreAttention(MegatronModule):
         with te.fp8_autocast(enabled=True, fp8_recipe=recipe):
             out = self._te_attention(*(t.to(torch.bfloat16) for t in (query, key, value)))
         return out.to(query.dtype)
+
+
+def _check_head_dims(backend: str, k_channels: int, v_channels: int) -> None:
+    """ValueError when ``backend`` cannot take value heads narrower or wider than query/key heads."""
+    if k_channels != v_channels and backend not in ("torch", "emulated-lowp-fa"):
+        raise ValueError(
+            f"attention backend {backend!r} needs equal query/key and value head dims, got "
+            f"{k_channels} and {v_channels} (multi-head latent attention?); use 'torch' or 'emulated-lowp-fa'."
+        )
 
 
 def _check_fault(backend: str, fault: Optional[FaultConfig]) -> None:

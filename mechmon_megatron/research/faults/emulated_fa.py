@@ -3,17 +3,19 @@
 Imports torch only. The kernel runs on any device (CPU included); it is used to study the BF16
 FlashAttention failure of Qiu & Yao (docs/METHOD.md section 8) on small models without a GPU.
 
-Naming convention (shapes use B batch, H heads, N query length, M key length, D head dim):
+Naming convention (shapes use B batch, H heads, N query length, M key length, D head dim of
+queries and keys, E head dim of values and of the output; ``E == D`` except in multi-head latent
+attention, where ``D = qk_head_dim + qk_pos_emb_head_dim`` and ``E = v_head_dim``):
 
-- ``q_BHND``, ``k_BHMD``, ``v_BHMD``: inputs (FP32 master values; K and V already repeated to H
+- ``q_BHND``, ``k_BHMD``, ``v_BHME``: inputs (FP32 master values; K and V already repeated to H
   heads when the model uses GQA).
 - ``s``: scaled scores ``q k^T * softmax_scale`` of one tile, FP32.
 - ``m``: running row max of ``s``; ``m_used``: the max actually subtracted (equal to ``m``
   unless the tie-shift fix moves it); ``l``: running row sum of ``exp(s - m_used)``.
 - ``p_bar``: ``exp(s - m_used)`` in a forward tile; ``p``: ``exp(s - lse)`` in a backward tile.
 - ``lse_BHN``: per-row logsumexp saved for the backward; ``tied_BHN``: row max attained twice.
-- ``delta_BHN``: ``rowsum(dO * O_used)``, the FA-2 quantity whose low-precision O is the
-  failure site.
+- ``delta_BHN``: ``rowsum(dO * O_used)`` over the value dim E, the FA-2 quantity whose
+  low-precision O ``[B,H,N,E]`` is the failure site.
 
 BF16 emulation (``emulate_bf16=True``): values are rounded with ``x.to(torch.bfloat16)`` and
 cast back, following the CPU recipe of docs/METHOD.md section 8: Q, K, V are cast to BF16; S is
@@ -150,23 +152,31 @@ def _p_bar(s: torch.Tensor, m_used: torch.Tensor) -> torch.Tensor:
     return torch.exp(s - m_used[..., None])
 
 
+def _output_buffer(q_BHND: torch.Tensor, e: int) -> torch.Tensor:
+    """Uninitialised O ``[B,H,N,E]``. With ``E == D`` it is laid out as Q (``empty_like``), as it
+    always was, so that the strides every later op sees, and hence its results, stay bit for bit."""
+    if q_BHND.shape[3] == e:
+        return torch.empty_like(q_BHND)
+    return q_BHND.new_empty((*q_BHND.shape[:3], e))
+
+
 def _fa_forward(
     q_BHND: torch.Tensor,
     k_BHMD: torch.Tensor,
-    v_BHMD: torch.Tensor,
+    v_BHME: torch.Tensor,
     scale: float,
     causal: bool,
     cfg: EmulatedFAConfig,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tiled online-softmax forward.
 
-    Returns (O [B,H,N,D], lse [B,H,N], tied [B,H,N], (Q, K, V) as the kernel stores them, i.e.
+    Returns (O [B,H,N,E], lse [B,H,N], tied [B,H,N], (Q, K, V) as the kernel stores them, i.e.
     BF16-rounded under emulation) so that the backward does not round them again.
     """
     rnd = round_bf16 if cfg.emulate_bf16 else _identity
-    qb, kb, vb = rnd(q_BHND), rnd(k_BHMD), rnd(v_BHMD)
+    qb, kb, vb = rnd(q_BHND), rnd(k_BHMD), rnd(v_BHME)
     n_q, n_k = q_BHND.shape[2], k_BHMD.shape[2]
-    out_BHND = torch.empty_like(q_BHND)
+    out_BHNE = _output_buffer(q_BHND, v_BHME.shape[3])
     lse_BHN = q_BHND.new_empty(q_BHND.shape[:3])
     tied_BHN = torch.empty(q_BHND.shape[:3], dtype=torch.bool, device=q_BHND.device)
     neg_inf = float("-inf")
@@ -177,7 +187,7 @@ def _fa_forward(
         m_used = m.clone()
         count = torch.zeros(q_i.shape[:3], dtype=torch.int64, device=q_i.device)
         l = q_i.new_zeros(q_i.shape[:3])  # noqa: E741 -- FlashAttention's name for the row sum
-        acc = torch.zeros_like(q_i)
+        acc = q_i.new_zeros((*q_i.shape[:3], vb.shape[3]))  # [B,H,rows,E]
         k_end = r1 if causal else n_k
         for c0 in range(0, k_end, cfg.block_k):
             c1 = min(c0 + cfg.block_k, k_end)
@@ -197,16 +207,16 @@ def _fa_forward(
             acc = acc * alpha[..., None] + torch.matmul(rnd(p_bar), vb[:, :, c0:c1])
             m_used = m_used_new
         o = acc / l[..., None]
-        out_BHND[:, :, r0:r1] = o if cfg.fp32_o else rnd(o)
+        out_BHNE[:, :, r0:r1] = o if cfg.fp32_o else rnd(o)
         lse_BHN[:, :, r0:r1] = m_used + torch.log(l)
         tied_BHN[:, :, r0:r1] = count > 1
-    return out_BHND, lse_BHN, tied_BHN, (qb, kb, vb)
+    return out_BHNE, lse_BHN, tied_BHN, (qb, kb, vb)
 
 
 def _fa_backward(
     saved: tuple[torch.Tensor, ...],
-    do_BHND: torch.Tensor,
-    o_used_BHND: torch.Tensor,
+    do_BHNE: torch.Tensor,
+    o_used_BHNE: torch.Tensor,
     scale: float,
     causal: bool,
     cfg: EmulatedFAConfig,
@@ -217,8 +227,8 @@ def _fa_backward(
     """
     qb, kb, vb, lse_BHN = saved
     rnd = round_bf16 if cfg.emulate_bf16 else _identity
-    dob = rnd(do_BHND)
-    delta_BHN = (dob * o_used_BHND).sum(dim=-1)
+    dob = rnd(do_BHNE)
+    delta_BHN = (dob * o_used_BHNE).sum(dim=-1)
     dq = torch.zeros_like(qb)
     dk = torch.zeros_like(kb)
     dv = torch.zeros_like(vb)
@@ -244,12 +254,12 @@ def _fa_backward(
     return rnd(dq), rnd(dk), rnd(dv)
 
 
-def _biased_o(o_BHND: torch.Tensor, tied_BHN: torch.Tensor, fault: FaultConfig) -> torch.Tensor:
+def _biased_o(o_BHNE: torch.Tensor, tied_BHN: torch.Tensor, fault: FaultConfig) -> torch.Tensor:
     """``O + strength * ulp_bf16(O) * sign(O)``, on all rows or only on tied rows."""
-    bias = fault.strength * ulp_bf16(o_BHND) * torch.sign(o_BHND)
+    bias = fault.strength * ulp_bf16(o_BHNE) * torch.sign(o_BHNE)
     if fault.mode == "tied_rows":
         bias = bias * tied_BHN[..., None].to(bias.dtype)
-    return o_BHND + bias
+    return o_BHNE + bias
 
 
 class _EmulatedFlashAttention(torch.autograd.Function):
@@ -277,7 +287,7 @@ class _EmulatedFlashAttention(torch.autograd.Function):
 def emulated_flash_attention(
     q_BHND: torch.Tensor,
     k_BHMD: torch.Tensor,
-    v_BHMD: torch.Tensor,
+    v_BHME: torch.Tensor,
     *,
     softmax_scale: float | None = None,
     causal: bool = True,
@@ -288,21 +298,35 @@ def emulated_flash_attention(
 
     Args:
         q_BHND: queries [B, H, N, D].
-        k_BHMD, v_BHMD: keys and values [B, H, M, D] (repeat GQA groups to H heads first).
-        softmax_scale: score scale; default ``1 / sqrt(D)``.
+        k_BHMD: keys [B, H, M, D] (repeat GQA groups to H heads first).
+        v_BHME: values [B, H, M, E]; ``E`` may differ from ``D`` (multi-head latent attention).
+        softmax_scale: score scale; default ``1 / sqrt(D)`` (the query/key head dim).
         causal: causal mask (query i sees keys 0..i); requires ``N == M``.
         config: kernel options; default ``EmulatedFAConfig()`` (BF16 emulation on, 64x64 tiles).
         fault: biased-rounding injector acting in the backward's ``delta`` only; ``None`` = off.
 
     Returns:
-        O [B, H, N, D] in the dtype of ``q_BHND``. Inputs of lower precision than FP32 are
+        O [B, H, N, E] in the dtype of ``q_BHND``. Inputs of lower precision than FP32 are
         computed in FP32 and cast back.
     """
-    if q_BHND.dim() != 4 or k_BHMD.shape != v_BHMD.shape or q_BHND.shape[:2] != k_BHMD.shape[:2]:
+    _check_shapes(q_BHND, k_BHMD, v_BHME, causal)
+    cfg = config if config is not None else EmulatedFAConfig()
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_BHND.shape[3])
+    in_dtype = q_BHND.dtype
+    work_dtype = in_dtype if in_dtype in (torch.float32, torch.float64) else torch.float32
+    q, k, v = (t.to(work_dtype) for t in (q_BHND, k_BHMD, v_BHME))
+    out = _EmulatedFlashAttention.apply(q, k, v, float(scale), bool(causal), cfg, fault)
+    return out.to(in_dtype)
+
+
+def _check_shapes(q_BHND: torch.Tensor, k_BHMD: torch.Tensor, v_BHME: torch.Tensor, causal: bool) -> None:
+    """ValueError unless q [B,H,N,D], k [B,H,M,D], v [B,H,M,E] (and N == M when causal)."""
+    if (q_BHND.dim() != 4 or k_BHMD.dim() != 4 or v_BHME.dim() != 4
+            or k_BHMD.shape[:3] != v_BHME.shape[:3] or q_BHND.shape[:2] != k_BHMD.shape[:2]):
         raise ValueError(
-            "emulated_flash_attention expects q [B,H,N,D] and k, v [B,H,M,D] with the same B and H "
-            f"(repeat GQA groups first), got q {tuple(q_BHND.shape)}, k {tuple(k_BHMD.shape)}, "
-            f"v {tuple(v_BHMD.shape)}."
+            "emulated_flash_attention expects q [B,H,N,D], k [B,H,M,D] and v [B,H,M,E] with the same B "
+            f"and H (repeat GQA groups first), got q {tuple(q_BHND.shape)}, k {tuple(k_BHMD.shape)}, "
+            f"v {tuple(v_BHME.shape)}."
         )
     if q_BHND.shape[3] != k_BHMD.shape[3]:
         raise ValueError(f"q and k head dims differ: {q_BHND.shape[3]} vs {k_BHMD.shape[3]}.")
@@ -311,10 +335,3 @@ def emulated_flash_attention(
             "causal attention needs equal query and key lengths, "
             f"got {q_BHND.shape[2]} and {k_BHMD.shape[2]}."
         )
-    cfg = config if config is not None else EmulatedFAConfig()
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_BHND.shape[3])
-    in_dtype = q_BHND.dtype
-    work_dtype = in_dtype if in_dtype in (torch.float32, torch.float64) else torch.float32
-    q, k, v = (t.to(work_dtype) for t in (q_BHND, k_BHMD, v_BHMD))
-    out = _EmulatedFlashAttention.apply(q, k, v, float(scale), bool(causal), cfg, fault)
-    return out.to(in_dtype)

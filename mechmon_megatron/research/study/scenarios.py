@@ -22,7 +22,9 @@ does not trigger on models this small within a CPU budget (docs/METHOD.md sectio
 applied on every row with a strength of many BF16 ulps.
 
 A :class:`Preset` fixes the model size, the run length and the monitor schedule for a study:
-``demo`` (what ``make demo`` runs in <= 10 minutes on 2 cores) and ``full`` (docs/RESULTS.md).
+``demo`` (what ``make demo`` runs in <= 10 minutes on 2 cores) and ``full`` (docs/RESULTS.md);
+``full-mla`` and ``full-qknorm`` are the full study on two attention variants of its model
+(multi-head latent attention; per-head QK-norm), everything else the same.
 Pure Python: no torch import.
 """
 
@@ -46,7 +48,7 @@ class Preset:
     """Model size, run length and monitor schedule shared by every scenario of one study."""
 
     name: str
-    """Preset name (``demo`` or ``full``)."""
+    """Preset name (a key of :data:`PRESETS`)."""
 
     train_iters: int
     """Optimizer steps per run."""
@@ -127,6 +129,32 @@ _FULL = Preset(
     calibration_seed=None,
 )
 
+_MLA_FLAGS = (
+    "--multi-latent-attention", "--q-lora-rank", "64", "--kv-lora-rank", "32",
+    "--qk-head-dim", "32", "--qk-pos-emb-head-dim", "16", "--v-head-dim", "32", "--qk-layernorm",
+)
+"""Multi-head latent attention on the full model (hidden 128, 4 heads of 32), DeepSeek-V3's layout
+scaled down: a query latent of hidden/2 = 64 and a key/value latent of hidden/4 = 32, both behind
+their RMSNorm (``--qk-layernorm``; RMSNorm is the trainer's default with MLA, as in DeepSeek-V3),
+the no-RoPE query/key head dim and the value head dim equal to the full model's head dim 32 (so
+per-head value width and attention output size are the full model's), a RoPE part of half that
+(16), the ratio of DeepSeek-V3's 64 to 128. DeepSeek-V3's own latent fractions (1536/7168 and
+512/7168 of hidden) would leave a 9-dim key/value latent here, below one head's width; hidden/4
+keeps the latent a real compression (4 heads x (32 + 32) key and value dims from 32) that still
+trains on CPU."""
+
+_QK_NORM_FLAGS = ("--qk-layernorm",)
+"""Per-head QK-norm on the full model (a norm of head width 32 on every query and key head, the
+OLMo-2 / Qwen3 recipe), and nothing else changed: the same heads (no extra grouping) and the same
+norm type as the full model (LayerNorm), so that any difference from ``full`` is the QK-norm's."""
+
+
+def _attention_variant(base: Preset, name: str, flags: tuple[str, ...]) -> Preset:
+    """``base`` with ``flags`` added to its model flags: the same size, layers, experts, LR, run
+    length, faults and monitor schedule."""
+    return replace(base, name=name, model_flags=base.model_flags + flags)
+
+
 PRESETS: dict[str, Preset] = {
     # The demo is the full study cut short: same model, faults and schedule (the LR decays over
     # the full study's 1,500 steps), fewer runs, an earlier FA onset, the calibrated detector.
@@ -135,6 +163,8 @@ PRESETS: dict[str, Preset] = {
         scenarios=("clean", "fa", "moe-lr"), calibration_seed=None,
     ),
     "full": _FULL,
+    "full-mla": _attention_variant(_FULL, "full-mla", _MLA_FLAGS),
+    "full-qknorm": _attention_variant(_FULL, "full-qknorm", _QK_NORM_FLAGS),
 }
 
 
