@@ -197,3 +197,21 @@ def test_cross_attention_is_named_as_left_out(model_parallel):
     assert found == []
     left = find_left_out([_Holder(module)])
     assert [(item.layer_number, item.reason.split(" ")[0]) for item in left] == [(1, "cross-attention")]
+
+
+def test_hybrid_stack_names_mamba_and_gated_deltanet_once(model_parallel, caplog):
+    """megatron-core's ``MambaMixer`` needs mamba_ssm and ``GatedDeltaNet`` flash-linear-attention,
+    both CUDA-only: here stand-ins carry their class names and ``layer_number`` (all discovery
+    looks at), next to a real QK-norm ``SelfAttention``."""
+    stand_ins = [type(name, (torch.nn.Module,), {})() for name in ("MambaMixer", "GatedDeltaNet")]
+    for layer, module in zip((2, 3), stand_ins):
+        module.layer_number = layer
+    chunk = torch.nn.ModuleList([_qk_norm_attention(), *stand_ins])
+    found, _ = find_modules([chunk])
+    assert [item.layer_number for item in found] == [1]
+    left = find_left_out([chunk])
+    assert [(item.layer_number, item.reason.split(" ")[0]) for item in left] == [(2, "Mamba"), (3, "gated")]
+    with caplog.at_level(logging.WARNING):
+        log_left_out(left)
+    line = next(r.getMessage() for r in caplog.records if "leave out" in r.getMessage())
+    assert "layer 2: Mamba SSM mixer" in line and "layer 3: gated DeltaNet" in line
