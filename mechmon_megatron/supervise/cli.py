@@ -173,7 +173,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         policy = load_policy(args.policy)
         host: HostFlags = read_host_flags(command.help_argv)
-        resolved = resolve_policy(policy, host)
+        resolved = resolve_policy(policy, host, command_flags={a.split("=", 1)[0] for a in command.host_args
+                                                               if a.startswith("--")})
     except (PolicyError, HostError) as exc:
         return _fail(str(exc), save, rest)
     if args.select_flag and not args.select_flag.startswith("--"):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -47,6 +48,9 @@ class Edit:
     """flag -> factor for a number already in the command (e.g. ``--lr``: 0.5)."""
     at_least: dict[str, float] = field(default_factory=dict)
     """flag -> the smallest value it may have (raised if lower or absent)."""
+    unless: dict[str, str] = field(default_factory=dict)
+    """flag -> why: the alternative is not used for a command that has that flag (e.g. megatron-core's
+    local attention cannot run ``--multi-latent-attention``)."""
 
     def flags(self) -> list[str]:
         return [*self.set, *self.remove, *self.scale, *self.at_least]
@@ -122,9 +126,13 @@ def _number(flag: str, value: object, where: str, key: str, positive: bool) -> f
 
 
 def _edit(body: dict, where: str) -> Edit:
-    unknown = set(body) - {"set", "remove", "scale", "at_least", "host"}
+    unknown = set(body) - {"set", "remove", "scale", "at_least", "unless", "host"}
     if unknown:
-        raise PolicyError(f"{where}: unknown keys {sorted(unknown)} (set, remove, scale, at_least, host)")
+        raise PolicyError(f"{where}: unknown keys {sorted(unknown)} (set, remove, scale, at_least, unless, host)")
+    unless = body.get("unless") or {}
+    if not isinstance(unless, dict) or not all(isinstance(v, str) for v in unless.values()):
+        raise PolicyError(f"{where}: unless must map flags to the reason, e.g. "
+                          '{"--multi-latent-attention": "why"}')
     try:
         return Edit(
             set={_flag(k, where): _values(k, v, where) for k, v in (body.get("set") or {}).items()},
@@ -133,6 +141,7 @@ def _edit(body: dict, where: str) -> Edit:
                    for k, v in (body.get("scale") or {}).items()},
             at_least={_flag(k, where): _number(k, v, where, "at_least", positive=False)
                       for k, v in (body.get("at_least") or {}).items()},
+            unless={_flag(k, where): v for k, v in unless.items()},
         )
     except (TypeError, ValueError, AttributeError) as exc:
         if isinstance(exc, PolicyError):
@@ -176,6 +185,11 @@ def load_policy(spec: str) -> Policy:
                   remedies=remedies)
 
 
+def _excluded(edit: Edit, command_flags: Collection[str]) -> Optional[str]:
+    """Why ``edit`` is not for this command (a flag of its ``unless``), or None."""
+    return next((f"{flag}: {why}" for flag, why in edit.unless.items() if flag in command_flags), None)
+
+
 def _usable(edit: Edit, host: HostFlags) -> Optional[str]:
     """The first flag (or value) of ``edit`` the host lacks, None when it has them all."""
     for flag in edit.flags():
@@ -188,9 +202,12 @@ def _usable(edit: Edit, host: HostFlags) -> Optional[str]:
     return None
 
 
-def resolve_policy(policy: Policy, host: HostFlags, path_for_errors: Optional[str] = None) -> ResolvedPolicy:
-    """Pick each remedy's alternative for this host. A user policy naming a flag the host lacks
-    raises ``PolicyError`` naming the flag; the default policy skips such a remedy with a notice."""
+def resolve_policy(policy: Policy, host: HostFlags, path_for_errors: Optional[str] = None,
+                   command_flags: Collection[str] = ()) -> ResolvedPolicy:
+    """Pick each remedy's alternative for this host and command (``command_flags``: the flags the
+    training command has). A user policy naming a flag the host lacks raises ``PolicyError`` naming
+    the flag; the default policy skips such a remedy with a notice. An alternative whose ``unless``
+    flag the command has is passed over (a remedy left without one is skipped with a notice)."""
     where = path_for_errors or policy.source
     lists: dict[str, tuple[ChosenRemedy, ...]] = {}
     notices: list[str] = []
@@ -199,8 +216,12 @@ def resolve_policy(policy: Policy, host: HostFlags, path_for_errors: Optional[st
         for remedy in remedies:
             missing = [m for m in (_usable(e, host) for e in remedy.alternatives) if m is not None]
             usable = [e for e in remedy.alternatives if _usable(e, host) is None]
+            excluded = [why for why in (_excluded(e, command_flags) for e in usable) if why is not None]
+            usable = [e for e in usable if _excluded(e, command_flags) is None]
             if usable:
                 chosen.append(ChosenRemedy(remedy, usable[0]))
+            elif excluded:
+                notices.append(f"remedy {name}/{remedy.name} skipped for this command ({excluded[0]})")
             elif policy.is_default:
                 notices.append(f"default policy: remedy {name}/{remedy.name} skipped, the host has no {missing[0]}")
             else:

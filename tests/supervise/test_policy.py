@@ -103,3 +103,26 @@ def test_alert_families_are_the_detectors_and_the_sessions():
     assert set(DETECTOR_FAMILIES) == set(FAMILY_DIRECTIONS) == {f.value for f in Family}
     assert set(ALERT_FAMILIES) == set(DETECTOR_FAMILIES) | {"nonfinite", "drill"}
     assert set(load_policy("default").families) <= set(ALERT_FAMILIES)
+
+
+def test_mla_command_skips_megatrons_local_attention_remedy():
+    """megatron-core's local DotProductAttention cannot run multi-head latent attention: for a
+    command with --multi-latent-attention the default ladder passes over it, with the reason."""
+    policy = load_policy("default")
+    plain = resolve_policy(policy, parse_help(MEGATRON_HELP), command_flags={"--lr"})
+    mla = resolve_policy(policy, parse_help(MEGATRON_HELP), command_flags={"--lr", "--multi-latent-attention"})
+    names = [r.remedy.name for r in plain.remedy_list("attn_delta2")[1]]
+    assert "tie-shift-or-local-attention" in names
+    assert [r.remedy.name for r in mla.remedy_list("attn_delta2")[1]] == [n for n in names
+                                                                         if n != "tie-shift-or-local-attention"]
+    assert any("tie-shift-or-local-attention skipped for this command (--multi-latent-attention: megatron-core's "
+               "local DotProductAttention cannot run multi-head latent attention" in n for n in mla.notices)
+    assert mla.remedy_list("attn_delta2")[1][0].edit.set == {"--attention-backend": ("unfused",)}
+
+
+def test_unless_must_name_reasons(tmp_path: Path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"version": 1, "families": {"attn_delta2": "a"}, "remedies": {"a": [
+        {"name": "x", "alternatives": [{"set": {"--lr": 1}, "unless": ["--multi-latent-attention"]}]}]}}))
+    with pytest.raises(PolicyError, match="unless must map flags to the reason"):
+        load_policy(str(path))
