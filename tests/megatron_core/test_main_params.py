@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import logging
 import re
 import textwrap
@@ -421,3 +422,27 @@ def test_monitored_bf16_job_with_distributed_optimizer_reads_main_params_on_ever
         # the router weight: its FP32 main shards gathered to the reporting rank before the check
         assert f"mechmon/router/weight_similarity/layer_{layer}" in last
     assert last["mechmon/errors"] == 0.0
+
+
+@pytest.mark.parametrize("variant", [
+    ["--qk-layernorm"],
+    ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim", "16",
+     "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--qk-layernorm", "--attention-backend", "torch"],
+], ids=["qk_norm", "mla"])
+def test_bf16_distributed_optimizer_reads_qk_norm_and_mla_main_params(tmp_path, variant):
+    """QK-norm gammas and every MLA projection and latent gamma are read from the FP32 main
+    parameters sharded over DP=2 (collective reads on every DP rank, in site order): the checks
+    run with no monitor error and every head has its Delta2 value."""
+    script = REPO_ROOT / "examples" / "pretrain_scripts" / "pretrain_gpt_mechmon.py"
+    args = [*TINY[:-4], "--train-iters", "6", "--global-batch-size", "4", "--bf16", "--use-distributed-optimizer",
+            "--num-experts", "4", "--moe-router-topk", "2", *variant, "--mechmon-per-head-scalars",
+            "--mechmon", "--mechmon-interval", "2", "--mechmon-delta", "2", "--mechmon-log-dir", str(tmp_path)]
+    result = run_torchrun(script, args, nproc=2, timeout_s=240).check(0)
+    assert "reading the model weights, not FP32 main parameters" not in result.output
+    rows = [json.loads(line) for line in (tmp_path / "mechmon_scalars.jsonl").read_text().splitlines()]
+    last = rows[-1]["scalars"]
+    assert last["mechmon/errors"] == 0.0
+    for layer in (1, 2):
+        for head in range(4):
+            value = last[f"mechmon/attn/delta2_entropy/layer_{layer}/head_{head}"]
+            assert math.isfinite(value) and value > 0
