@@ -30,8 +30,11 @@ from torch import Tensor
 class NormFold:
     """One per-head norm after a projection, as the Q/K kernels need it.
 
-    ``gamma``: ``[head_dim]`` the effective scale (a zero-centred gamma already has its 1 added),
-    any real float dtype, or None (ones: an L2 norm or a norm without a learned scale).
+    ``gamma``: ``[head_dim]`` the effective scale shared by every head (a zero-centred gamma
+    already has its 1 added), or ``[heads, head_dim]`` one scale per head (a norm over the whole
+    projection, OLMo-2 style: its input-dependent factor is shared by all heads and left out as
+    for a per-head norm), any real float dtype, or None (ones: an L2 norm or a norm without a
+    learned scale).
     ``centres``: the norm subtracts the mean over the ``head_dim`` channels (LayerNorm).
     """
 
@@ -55,7 +58,7 @@ def fold_norm(rows: Tensor, norm: Optional[NormFold]) -> Tensor:
         ``[heads, head_dim, hidden]`` float64 folded rows on ``rows.device`` (or ``rows`` itself).
 
     Raises:
-        ValueError: ``gamma`` does not have ``head_dim`` entries.
+        ValueError: ``gamma`` is neither ``[head_dim]`` nor ``[heads, head_dim]``.
     """
     if norm is None or norm.is_identity:
         return rows
@@ -63,8 +66,14 @@ def fold_norm(rows: Tensor, norm: Optional[NormFold]) -> Tensor:
     if norm.centres:
         out = out - out.mean(dim=-2, keepdim=True)
     if norm.gamma is not None:
-        gamma = norm.gamma.reshape(-1)
-        if gamma.numel() != rows.shape[-2]:
-            raise ValueError(f"QK-norm gamma has {gamma.numel()} entries, the heads have {rows.shape[-2]} channels")
-        out = out * gamma.to(device=rows.device, dtype=torch.float64)[:, None]
+        heads, head_dim = rows.shape[-3], rows.shape[-2]
+        gamma = norm.gamma.to(device=rows.device, dtype=torch.float64)
+        if gamma.numel() == head_dim:
+            gamma = gamma.reshape(head_dim)
+        elif gamma.numel() == heads * head_dim:
+            gamma = gamma.reshape(heads, head_dim)
+        else:
+            raise ValueError(f"QK-norm gamma has {gamma.numel()} entries; expected {head_dim} (one per channel) "
+                             f"or {heads} x {head_dim} (one per head and channel)")
+        out = out * gamma[..., None]
     return out

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import logging
+import math
 import re
 import textwrap
 from pathlib import Path

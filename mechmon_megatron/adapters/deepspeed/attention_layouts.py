@@ -26,7 +26,12 @@ with one notice line; describe it with ``"attention_mapping"`` in the ``"mechmon
 ``match`` is an ``fnmatch`` pattern on the module name (as in ``model.named_modules()``); ``layout``
 is one of the names above; ``qkv`` (fused layouts) or ``q``/``k`` (``separate``) are parameter
 paths relative to the module; ``head_dim`` defaults to ``q rows / num_heads``; ``"skip": true``
-silences a module.
+silences a module. Optional ``q_norm`` / ``k_norm``: the path of a norm applied to the projected
+queries / keys (its module, or its gamma parameter, e.g. ``"q_norm.weight"``).
+
+QK-norms (``qk_norms.py``): a detected module's ``q_norm`` / ``k_norm`` (Qwen3, Gemma 3: per head;
+OLMo 2: over the whole projection) are recorded and folded into the rows the monitors read; one
+the monitors cannot fold leaves the layer monitored without it, with one start-up warning.
 """
 
 from __future__ import annotations
@@ -34,11 +39,12 @@ from __future__ import annotations
 import fnmatch
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from mechmon_megatron.adapters.deepspeed.qk_norms import NormNotFolded, QKNorm, find_qk_norm, read_gamma
 from mechmon_megatron.session.qkv_layout import split_qk
 
 logger = logging.getLogger(__name__)
@@ -59,6 +65,20 @@ class FoundAttention:
     num_groups: int
     head_dim: int
     params: tuple  # the parameters read (one fused weight, or (q, k))
+    q_norm: Optional[QKNorm] = None
+    k_norm: Optional[QKNorm] = None
+    unfolded: tuple[str, ...] = ()
+    """The norms found after the Q/K projections and not folded, each ``path (Class): why``."""
+
+    @property
+    def norm_params(self) -> tuple:
+        """The QK-norm weights read beside ``params`` (after them, in this order: q, then k)."""
+        return tuple(n.weight for n in (self.q_norm, self.k_norm) if n is not None and n.weight is not None)
+
+    def read_norms(self, read_param: ParamReader) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """The weights of ``q_norm`` and ``k_norm`` as read (``[head_dim]`` or ``[n * head_dim]``;
+        None where there is no norm or no weight); every rank reads them in this order."""
+        return read_gamma(self.q_norm, read_param), read_gamma(self.k_norm, read_param)
 
     def read(self, read_param: ParamReader) -> tuple[torch.Tensor, torch.Tensor]:
         """``wq`` ``[num_heads, head_dim, hidden]``, ``wk`` ``[num_groups, head_dim, hidden]``."""
@@ -87,6 +107,8 @@ class MappingEntry:
     num_heads: Optional[int] = None
     num_kv_heads: Optional[int] = None
     head_dim: Optional[int] = None
+    q_norm: Optional[str] = None
+    k_norm: Optional[str] = None
     skip: bool = False
 
 
@@ -117,6 +139,10 @@ def parse_mapping(items: Any, where: str) -> tuple[MappingEntry, ...]:
         for key in (*needed, "num_heads"):
             if getattr(entry, key) is None:
                 raise ValueError(f"{at}.{key} is required for layout {entry.layout!r}")
+        for key in ("q_norm", "k_norm"):
+            value = getattr(entry, key)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{at}.{key} must be a module or parameter path (string), got {value!r}")
         for key in ("num_heads", "num_kv_heads", "head_dim"):
             value = getattr(entry, key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -174,7 +200,13 @@ def _shape(param: torch.nn.Parameter) -> tuple:
 
 
 def detect(name: str, module: torch.nn.Module) -> Optional[FoundAttention]:
-    """The known layout of ``module``, or None."""
+    """The known layout of ``module`` with its ``q_norm`` / ``k_norm`` when it has them, or None."""
+    found = _layout(name, module)
+    return None if found is None else with_norms(found, module, "q_norm", "k_norm", required=False)
+
+
+def _layout(name: str, module: torch.nn.Module) -> Optional[FoundAttention]:
+    """The known Q/K layout of ``module``, or None."""
     qkv = getattr(module, "query_key_value", None)
     if _weight(qkv) is not None:
         heads, head_dim = _heads(module), _head_dim(module)
@@ -186,6 +218,8 @@ def detect(name: str, module: torch.nn.Module) -> Optional[FoundAttention]:
         heads = _heads(module)
         if heads and _rows(q) % heads == 0:
             head_dim = _head_dim(module) or _rows(q) // heads
+            if _rows(q) != heads * head_dim:
+                return None  # more than the queries in q_proj (Qwen3-Next's per-head output gate): unknown
             groups = _rows(k) // head_dim if _rows(k) % head_dim == 0 else _groups(module, heads)
             return FoundAttention(name, "separate", heads, groups, head_dim, (q, k))
         return None
@@ -216,7 +250,30 @@ def from_mapping(name: str, module: torch.nn.Module, entry: MappingEntry) -> Fou
         elif entry.layout == "stacked_qkv":
             rows = rows * heads // (heads + 2 * groups)
     head_dim = int(entry.head_dim or rows // heads)
-    return FoundAttention(name, entry.layout, heads, groups, head_dim, params)
+    found = FoundAttention(name, entry.layout, heads, groups, head_dim, params)
+    return with_norms(found, module, entry.q_norm, entry.k_norm, required=True)
+
+
+def with_norms(found: FoundAttention, module: torch.nn.Module, q_path: Optional[str], k_path: Optional[str],
+               required: bool) -> FoundAttention:
+    """``found`` with the norms at ``q_path`` / ``k_path`` (relative to ``module``) to fold.
+
+    Both or neither: when one cannot be folded, neither is (a half-folded layer would be
+    monitored on a matrix the logits never see either), and ``unfolded`` says why.
+    ``required``: the paths come from ``attention_mapping``, a missing one is an error."""
+    norms: list[Optional[QKNorm]] = []
+    unfolded: list[str] = []
+    for path, count in ((q_path, found.num_heads), (k_path, found.num_groups)):
+        norm = None
+        if path is not None:
+            try:
+                norm = find_qk_norm(module, path, count, found.head_dim, required=required)
+            except NormNotFolded as exc:
+                unfolded.append(str(exc))
+        norms.append(norm)
+    if unfolded:
+        return replace(found, unfolded=tuple(unfolded))
+    return replace(found, q_norm=norms[0], k_norm=norms[1])
 
 
 def find_attention(
@@ -248,6 +305,8 @@ def find_attention(
         if any(_inside(name, u) for u in unknown):
             continue
         unknown.append(name)
+    if notice:
+        _warn_unfolded(found)
     if unknown and notice:
         logger.warning(
             "[mechmon] %d attention module(s) with an unknown Q/K layout skipped (%s); describe them with "
@@ -256,6 +315,17 @@ def find_attention(
             ", ".join(unknown[:4]) + (", ..." if len(unknown) > 4 else ""),
         )
     return found
+
+
+def _warn_unfolded(found: Sequence[FoundAttention]) -> None:
+    """One start-up warning for the layers whose QK-norm is not folded (they stay monitored)."""
+    lines = [f"{f.name}.{reason}" for f in found for reason in f.unfolded]
+    if lines:
+        logger.warning(
+            "[mechmon] %d attention layer(s) monitored without folding their QK-norm (Delta2 then reads the "
+            "projection rows without the norm's scale): %s",
+            sum(1 for f in found if f.unfolded), "; ".join(lines[:4]) + ("; ..." if len(lines) > 4 else ""),
+        )
 
 
 def _inside(name: str, parent: str) -> bool:

@@ -28,6 +28,8 @@ the engine INSTANCE (the class is untouched):
 Who computes what:
 * Attention: every rank lists every attention layer (reads may be ZeRO collectives); the heads
   and full-matrix dW of layer L are computed on rank ``(L - 1) % world`` only (round-robin).
+* QK-norms (``qk_norms.py``): their gammas are read with the layer's Q/K weights, by the same
+  reader, on the same ranks, and folded into the per-head rows the owner reports.
 * Routers: token statistics are summed over the ranks that see distinct tokens (the
   data-parallel group: the whole world for plain DP and for expert parallelism without tensor
   parallelism); global rank 0 reports. The gate weight is replicated (EP shards experts only).
@@ -51,6 +53,7 @@ import torch.distributed as dist
 from mechmon_megatron.adapters.deepspeed.attention_layouts import FoundAttention, find_attention, layer_numbers
 from mechmon_megatron.adapters.deepspeed.config import PREFIX, as_key_message, checkpoint_dir_of
 from mechmon_megatron.adapters.deepspeed.gate_capture import find_gates, install_gate_capture
+from mechmon_megatron.adapters.deepspeed.qk_norms import fold_rows
 from mechmon_megatron.adapters.deepspeed.weights import read_full_param, read_is_collective
 from mechmon_megatron.session.collective_guard import CollectiveFailure, CollectivesOff, guard
 from mechmon_megatron.session.config import MechmonConfig
@@ -103,14 +106,20 @@ def _world() -> int:
 
 
 class _AttentionReader:
-    """Per-check reads of one attention layer; rank ``owner`` reports it."""
+    """Per-check reads of one attention layer; rank ``owner`` reports it.
 
-    def __init__(self, found: FoundAttention, owner: bool, full_matrix: bool) -> None:
+    ``read_param``: how a parameter is read (None: the ZeRO-aware fp32 read, ``weights.py``). The
+    layer's QK-norm weights are read with it, after the Q/K weights, on the same ranks.
+    """
+
+    def __init__(self, found: FoundAttention, owner: bool, full_matrix: bool,
+                 read_param: Optional[Callable[[torch.nn.Parameter], torch.Tensor]] = None) -> None:
         self.found = found
         self.owner = owner
         self.full_matrix = full_matrix
-        self.collective = any(read_is_collective(p) for p in found.params)
-        self._cache: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self.read_param = read_param
+        self.collective = any(read_is_collective(p) for p in (*found.params, *found.norm_params))
+        self._cache: Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]] = None
 
     def budget(self) -> SnapshotBudget:
         """FP32 master weights of the owner's Q + K rows (heads and full matrix are the same rows)."""
@@ -122,15 +131,20 @@ class _AttentionReader:
         return SnapshotBudget(heads_elements=elements, full_elements=elements if self.full_matrix else 0,
                               shared=True, element_size=4, device=param.device)
 
+    def _read(self, read_param: Callable[[torch.nn.Parameter], torch.Tensor]
+              ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        wq, wk = self.found.read(read_param)
+        return (wq, wk, *self.found.read_norms(read_param))
+
     def read_full(self) -> Optional[FullQK]:
         # The session calls read_full first on every rank; do the (possibly collective) read here.
         # A ZeRO read is the host's collective (DeepSpeed's groups), issued for the monitors.
-        self._cache = (guard().host_collective(lambda: self.found.read(read_full_param),
+        self._cache = (guard().host_collective(lambda: self._read(self.read_param or read_full_param),
                                                f"the ZeRO read of {self.found.name}")
                        if (self.owner or self.collective) else None)
         if not (self.owner and self.full_matrix):
             return None
-        wq, wk = self._cache
+        wq, wk = self._cache[:2]
         return FullQK(wq=wq.reshape(-1, wq.shape[-1]), wk=wk.reshape(-1, wk.shape[-1]))
 
     def read_heads(self) -> Optional[QKWeights]:
@@ -139,8 +153,10 @@ class _AttentionReader:
             return None
         if cache is None:  # never re-read here: the read may be a collective the peers have left
             raise RuntimeError(f"{self.found.name}: read_heads called without a successful read_full")
-        wq, wk = cache
-        return QKWeights(wq=wq, wk=wk, head_offset=0)
+        wq, wk, q_gamma, k_gamma = cache
+        wq, q_norm = fold_rows(wq, self.found.q_norm, q_gamma)
+        wk, k_norm = fold_rows(wk, self.found.k_norm, k_gamma)
+        return QKWeights(wq=wq, wk=wk, head_offset=0, q_norm=q_norm, k_norm=k_norm)
 
 
 class _RouterReader:
