@@ -56,6 +56,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="query heads per layer, when the checkpoint does not record it")
     p.add_argument("--num-query-groups", type=int, default=None, help="key/value groups (GQA); default: MHA")
     p.add_argument("--kv-channels", type=int, default=None, help="head dimension; default: Q rows / heads")
+    mla = p.add_argument_group("multi-head latent attention and QK-norm (when the checkpoint does not record them)")
+    mla.add_argument("--qk-head-dim", type=int, default=None,
+                     help="MLA no-RoPE query/key head dim (qk_nope_head_dim); default: from the shapes")
+    mla.add_argument("--qk-pos-emb-head-dim", type=int, default=None,
+                     help="MLA RoPE query/key head dim (qk_rope_head_dim); default: from the shapes")
+    mla.add_argument("--v-head-dim", type=int, default=None, help="MLA value head dim; default: from the shapes")
+    mla.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default=None,
+                     help="kind of the QK-norms / MLA latent norms; default: from the checkpoint, else RMSNorm")
+    mla.add_argument("--apply-layernorm-1p", action="store_true",
+                     help="the norm weights store gamma - 1 (zero-centred gamma); default: from the checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -65,7 +75,9 @@ def config_from_args(args: argparse.Namespace) -> ScanConfig:
         inputs=tuple(args.inputs), out=args.out, layers=args.layers, every=args.every, window=args.window,
         false_alarm_rate=args.false_alarm_rate, detector_calibration=args.detector_calibration, alpha=args.alpha,
         qk_method=args.qk_method, num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, progress=not args.no_progress,
+        num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, qk_head_dim=args.qk_head_dim,
+        qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim, normalization=args.normalization,
+        apply_layernorm_1p=args.apply_layernorm_1p, progress=not args.no_progress,
     )
 
 

@@ -67,6 +67,26 @@ class ScanConfig:
     kv_channels: Optional[int] = None
     """Head dimension (``--kv-channels``); default: from the checkpoint, else Q rows / heads."""
 
+    qk_head_dim: Optional[int] = None
+    """Multi-head latent attention: no-RoPE query/key channels per head (``--qk-head-dim``);
+    default: from the checkpoint, else from the shapes."""
+
+    qk_pos_emb_head_dim: Optional[int] = None
+    """MLA: RoPE query/key channels per head (``--qk-pos-emb-head-dim``); default: from the
+    checkpoint, else the key/value down projection's rows beyond the latent."""
+
+    v_head_dim: Optional[int] = None
+    """MLA: value channels per head (``--v-head-dim``); default: from the checkpoint, else the
+    key/value up projection's rows per head beyond the key rows."""
+
+    normalization: Optional[Literal["LayerNorm", "RMSNorm"]] = None
+    """Kind of the QK-norms and MLA latent norms (``--normalization``); default: from the
+    checkpoint, else RMSNorm."""
+
+    apply_layernorm_1p: bool = False
+    """The norms store ``gamma - 1`` (``--apply-layernorm-1p``, megatron-core's
+    ``layernorm_zero_centered_gamma``); default: from the checkpoint, else a plain gamma."""
+
     progress: bool = True
     """Show a tqdm progress bar (checkpoints x layers) on stderr when it is a terminal."""
 
@@ -102,9 +122,16 @@ class ScanConfig:
             ("--num-attention-heads", self.num_attention_heads),
             ("--num-query-groups", self.num_query_groups),
             ("--kv-channels", self.kv_channels),
+            ("--qk-head-dim", self.qk_head_dim),
+            ("--v-head-dim", self.v_head_dim),
         ):
             if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
                 raise ScanInputError(f"{flag} must be a positive integer, got {count!r}.")
+        rope = self.qk_pos_emb_head_dim
+        if rope is not None and (isinstance(rope, bool) or not isinstance(rope, int) or rope < 0):
+            raise ScanInputError(f"--qk-pos-emb-head-dim must be an integer >= 0, got {rope!r}.")
+        if self.normalization not in (None, "LayerNorm", "RMSNorm"):
+            raise ScanInputError(f"--normalization must be LayerNorm or RMSNorm, got {self.normalization!r}.")
         if self.num_attention_heads and self.num_query_groups and self.num_attention_heads % self.num_query_groups:
             raise ScanInputError(
                 f"--num-attention-heads {self.num_attention_heads} must be a multiple of --num-query-groups "

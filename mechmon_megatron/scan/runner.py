@@ -50,7 +50,10 @@ def _open_all(config: ScanConfig) -> tuple[ScanPlan, list[CheckpointReader], lis
         raise ScanInputError(f"--every {config.every} / --window {config.window} leave no pair among "
                              f"{len(refs)} checkpoints.")
     hints = HeadHints(num_heads=config.num_attention_heads, num_groups=config.num_query_groups,
-                      head_dim=config.kv_channels, source="flags")
+                      head_dim=config.kv_channels, qk_head_dim=config.qk_head_dim,
+                      qk_pos_emb_head_dim=config.qk_pos_emb_head_dim, v_head_dim=config.v_head_dim,
+                      normalization=config.normalization,
+                      zero_centered_gamma=True if config.apply_layernorm_1p else None, source="flags")
     readers = [open_reader(r.format, r.path, r.iteration, hints) for r in refs]
     first = readers[0]
     shapes = first.shapes()
@@ -81,9 +84,11 @@ def _open_all(config: ScanConfig) -> tuple[ScanPlan, list[CheckpointReader], lis
 def _key(config: ScanConfig, series: list[list[Any]], readers: list[CheckpointReader], layer: int) -> str:
     """What a layer's cached values depend on; ``series``: [iteration, path, newest mtime] per checkpoint."""
     counts = readers[0].heads(layer)
+    heads: Any = [counts.num_heads, counts.num_groups, counts.head_dim]
+    if counts.mla is not None or counts.norm is not None:  # the keys of classic layers without norms stay as they were
+        heads = counts.to_json()
     return fingerprint({
-        "checkpoints": series, "heads": [counts.num_heads, counts.num_groups, counts.head_dim],
-        "alpha": config.alpha, "qk_method": config.qk_method, "layer": layer,
+        "checkpoints": series, "heads": heads, "alpha": config.alpha, "qk_method": config.qk_method, "layer": layer,
     })
 
 
@@ -199,9 +204,10 @@ def _warmup_note(plan: ScanPlan, result: ReplayResult) -> list[str]:
             f"ceil(200 / {plan.interval} steps))), so this series was not judged; 'no anomaly' means no data"]
 
 
-def _heads_json(reader: CheckpointReader, layer: int) -> dict[str, int]:
-    counts = reader.heads(layer)
-    return {"num_heads": counts.num_heads, "num_groups": counts.num_groups, "head_dim": counts.head_dim}
+def _heads_json(reader: CheckpointReader, layer: int) -> dict[str, Any]:
+    """``num_heads``, ``num_groups``, ``head_dim``; with ``mla`` (its dims) and ``norm`` (the
+    QK-norm or latent-norm kind) where the layer has them."""
+    return reader.heads(layer).to_json()
 
 
 def _check_detector(config: ScanConfig, plan: ScanPlan, layers: list[int], routers: list[int]) -> None:

@@ -10,8 +10,11 @@ Layout::
 save the whole module there; expert weights go to the per-expert files, which the scan does not
 need: the MoE gate ``deepspeed_moe.gate.wg.weight`` stays in ``module``). The Q/K layouts are the
 DeepSpeed adapter's (``layouts.py``). With model (tensor) parallelism, ``mp_rank_01`` ... hold
-row shards of the fused or separate Q/K weights, concatenated in rank order. The file is
-memory-mapped, so only the layer being read is touched.
+row shards of the fused or separate Q/K weights, concatenated in rank order (norm gammas are
+replicated: rank 0's copy is read). QK-norms and MLA layers are recognised by name as in the other
+readers (``layouts.py``); DeepSpeed saves no model config, so their head counts, dims and norm kind
+come from the flags and the shapes. The file is memory-mapped, so only the layer being read is
+touched.
 
 Not readable here, with a message: ZeRO-3 checkpoints (``module`` holds empty placeholders; run
 DeepSpeed's ``zero_to_fp32.py`` first) and pipeline-engine checkpoints (``layer_XX-model_states.pt``).
@@ -28,7 +31,13 @@ import torch
 
 from mechmon_megatron.scan.errors import ScanInputError
 from mechmon_megatron.scan.readers.base import HeadCounts, HeadHints, LayerShapes, LayerWeights
-from mechmon_megatron.scan.readers.layouts import find_layer_keys, resolve_heads, split_heads
+from mechmon_megatron.scan.readers.layouts import (
+    AttentionKeys,
+    build_layer,
+    find_layer_keys,
+    replicated_roles,
+    resolve_heads,
+)
 from mechmon_megatron.scan.readers.torch_files import load_mmap, tensor_at
 
 __all__ = ["DeepSpeedReader", "is_deepspeed"]
@@ -92,29 +101,37 @@ class DeepSpeedReader:
     def layers(self) -> list[int]:
         return sorted(self._keys)
 
-    def _shape(self, key: str) -> tuple[int, ...]:
-        shape = list(self._modules[0][key].shape)
-        shape[0] *= len(self._modules)
-        return tuple(shape)
+    def _merged_shapes(self, keys: AttentionKeys) -> dict[str, tuple[int, ...]]:
+        """Whole-layer shapes: row shards times the model-parallel size, replicated ones as stored."""
+        local = {k: tuple(self._modules[0][k].shape) for k in keys.keys}
+        whole = replicated_roles(keys, local)
+        out = {}
+        for role, key in zip(keys.roles, keys.keys):
+            shape = list(local[key])
+            if role not in whole:
+                shape[0] *= len(self._modules)
+            out[key] = tuple(shape)
+        return out
 
     def shapes(self) -> dict[int, LayerShapes]:
-        return {
-            L: LayerShapes(qk=tuple(self._shape(k) for k in keys.keys),
-                           router=tuple(self._modules[0][keys.router].shape) if keys.router else None)
-            for L, keys in self._keys.items()
-        }
+        out = {}
+        for L, keys in self._keys.items():
+            merged = self._merged_shapes(keys)
+            out[L] = LayerShapes(qk=tuple(merged[k] for k in keys.keys),
+                                 router=tuple(self._modules[0][keys.router].shape) if keys.router else None)
+        return out
 
     def heads(self, layer: int) -> HeadCounts:
         keys = self._keys[layer]
-        return resolve_heads(keys.layout, {k: self._shape(k) for k in keys.keys}, self._hints,
-                             f"{self.path} layer {layer}")
+        return resolve_heads(keys, self._merged_shapes(keys), self._hints, f"{self.path} layer {layer}")
 
     def read_layer(self, layer: int) -> LayerWeights:
         counts = self.heads(layer)
         keys = self._keys[layer]
-        tensors = [
-            torch.cat([tensor_at(m, k, f) for m, f in zip(self._modules, self._files)], dim=0) for k in keys.keys
-        ]
-        wq, wk = split_heads(keys.layout, tensors, counts)
+        whole = replicated_roles(keys, {k: tuple(self._modules[0][k].shape) for k in keys.keys})
+        tensors = {}
+        for role, key in zip(keys.roles, keys.keys):
+            pairs = list(zip(self._modules, self._files))[: 1 if role in whole else None]
+            tensors[role] = torch.cat([tensor_at(m, key, f) for m, f in pairs], dim=0)
         router = tensor_at(self._modules[0], keys.router, self._files[0]) if keys.router else None
-        return LayerWeights(layer=layer, wq=wq, wk=wk, router=router)
+        return build_layer(keys, tensors, counts, router, f"{self.path} layer {layer}")

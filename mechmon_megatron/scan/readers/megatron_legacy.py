@@ -12,9 +12,13 @@ tensor-parallel shards of the weights, and only the layers of its pipeline stage
 locally (``decoder.layers.0...`` on every stage). The global layer number is the local index +
 1 + the number of layers of the earlier stages (counted from their files, so uneven splits are
 right). A layer's fused ``linear_qkv`` rows are split contiguously over the TP ranks (whole query
-groups each), so the layer's weight is the concatenation of the TP shards in rank order; the
-router weight is replicated over TP and EP ranks (rank 0's copy is read). Expert-parallel ranks
-hold the same attention weights; EP rank 0 is read.
+groups each), so the layer's weight is the concatenation of the TP shards in rank order; so are
+an MLA layer's up projections (and ``linear_q_proj``), split by head. Norm gammas (QK-norm, MLA
+latent norms) and the router weight are replicated over TP and EP ranks (rank 0's copy is read);
+an MLA down projection is replicated under Transformer Engine and a row shard under the local
+spec, told apart by its row count (``layouts.replicated_roles``). Expert-parallel ranks hold the
+same attention weights; EP rank 0 is read. Head counts, MLA dims and the norm kind come from the
+stored ``args``.
 
 Files are memory-mapped (``torch_files.load_mmap``): reading one layer touches only that layer's
 shards, never the rest of the model or the optimizer state. Virtual pipeline stages (``model0``,
@@ -31,7 +35,13 @@ import torch
 
 from mechmon_megatron.scan.errors import ScanInputError
 from mechmon_megatron.scan.readers.base import HeadCounts, HeadHints, LayerShapes, LayerWeights
-from mechmon_megatron.scan.readers.layouts import AttentionKeys, find_layer_keys, resolve_heads, split_heads
+from mechmon_megatron.scan.readers.layouts import (
+    AttentionKeys,
+    build_layer,
+    find_layer_keys,
+    replicated_roles,
+    resolve_heads,
+)
 from mechmon_megatron.scan.readers.torch_dist import hints_from_megatron_args
 from mechmon_megatron.scan.readers.torch_files import load_mmap, tensor_at
 
@@ -91,7 +101,8 @@ class MegatronLegacyReader:
             if stage == 0:
                 hints = hints_from_megatron_args(state.get("args"), f"args in {files[(0, 0)]}")
         if not self._keys:
-            raise ScanInputError(f"{path}: no attention Q/K weights (linear_qkv or q_proj/k_proj) in the model state.")
+            raise ScanInputError(f"{path}: no attention Q/K weights (linear_qkv, q_proj/k_proj, or the MLA "
+                                 "projections linear_kv_down_proj / linear_kv_up_proj ...) in the model state.")
         self._hints = hints.override(flag_hints)
 
     def _state(self, tp: int, pp: int) -> Any:
@@ -105,32 +116,44 @@ class MegatronLegacyReader:
     def layers(self) -> list[int]:
         return sorted(self._keys)
 
-    def _shape(self, stage: int, key: str) -> tuple[int, ...]:
-        shape = list(self._state(0, stage)["model"][key].shape)
-        shape[0] *= self.tp  # row-sharded over TP
-        return tuple(shape)
+    def _local(self, stage: int, keys: AttentionKeys) -> dict[str, tuple[int, ...]]:
+        model = self._state(0, stage)["model"]
+        return {k: tuple(model[k].shape) for k in keys.keys}
+
+    def _merged_shapes(self, stage: int, keys: AttentionKeys) -> dict[str, tuple[int, ...]]:
+        """Shapes of the whole layer's tensors: row shards times TP, replicated ones as stored."""
+        local = self._local(stage, keys)
+        whole = replicated_roles(keys, local)
+        out = {}
+        for role, key in zip(keys.roles, keys.keys):
+            shape = list(local[key])
+            if role not in whole:
+                shape[0] *= self.tp
+            out[key] = tuple(shape)
+        return out
 
     def shapes(self) -> dict[int, LayerShapes]:
         out = {}
         for layer, (stage, keys) in self._keys.items():
             router = tuple(self._state(0, stage)["model"][keys.router].shape) if keys.router else None
-            out[layer] = LayerShapes(qk=tuple(self._shape(stage, k) for k in keys.keys), router=router)
+            merged = self._merged_shapes(stage, keys)
+            out[layer] = LayerShapes(qk=tuple(merged[k] for k in keys.keys), router=router)
         return out
 
     def heads(self, layer: int) -> HeadCounts:
         stage, keys = self._keys[layer]
-        shapes = {k: self._shape(stage, k) for k in keys.keys}
-        return resolve_heads(keys.layout, shapes, self._hints, f"{self.path} layer {layer}")
+        return resolve_heads(keys, self._merged_shapes(stage, keys), self._hints, f"{self.path} layer {layer}")
 
     def read_layer(self, layer: int) -> LayerWeights:
         counts = self.heads(layer)
         stage, keys = self._keys[layer]
-        tensors = []
-        for key in keys.keys:
-            shards = [tensor_at(self._state(t, stage)["model"], key, self._files[(t, stage)]) for t in range(self.tp)]
-            tensors.append(torch.cat(shards, dim=0))
-        wq, wk = split_heads(keys.layout, tensors, counts)
+        whole = replicated_roles(keys, self._local(stage, keys))
+        tensors = {}
+        for role, key in zip(keys.roles, keys.keys):
+            ranks = [0] if role in whole else range(self.tp)
+            shards = [tensor_at(self._state(t, stage)["model"], key, self._files[(t, stage)]) for t in ranks]
+            tensors[role] = torch.cat(shards, dim=0) if len(shards) > 1 else shards[0]
         router = None
         if keys.router:
             router = tensor_at(self._state(0, stage)["model"], keys.router, self._files[(0, stage)])
-        return LayerWeights(layer=layer, wq=wq, wk=wk, router=router)
+        return build_layer(keys, tensors, counts, router, f"{self.path} layer {layer}")

@@ -9,8 +9,13 @@ The files are a ``torch.distributed.checkpoint`` (DCP) store of GLOBAL tensors: 
 its shard as a chunk at its offsets, so the stored tensors do not depend on the saving run's TP /
 PP / EP layout. megatron-core stacks the transformer layers on a leading axis:
 ``decoder.layers.self_attention.linear_qkv.weight`` is ``[num_layers, rows, hidden]`` (global
-layer index, whatever the pipeline split) and ``decoder.layers.mlp.router.weight`` is
-``[num_layers, num_experts, hidden]``.
+layer index, whatever the pipeline split), ``decoder.layers.mlp.router.weight`` is
+``[num_layers, num_experts, hidden]``, and so are the QK-norm gammas
+(``decoder.layers.self_attention.q_layernorm.weight`` ``[num_layers, head_dim]``) and the
+projections and latent norms of multi-head latent attention
+(``decoder.layers.self_attention.linear_kv_down_proj.weight`` ``[num_layers, kv_lora_rank +
+qk_pos_emb_head_dim, hidden]``, ...; ``layouts.py``). Head counts and MLA dims come from the
+``args`` Megatron-LM writes into ``common.pt``, else from the flags and the shapes.
 
 Partial loading: the DCP metadata (``.metadata``) lists every chunk and where its bytes are. A
 load planner (:class:`_SlicePlanner`) requests only the chunk ``[layer, :, :]`` of each needed
@@ -22,6 +27,7 @@ needed: no megatron import, no process group (``no_dist=True``).
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from typing import Any, Optional
 
@@ -29,12 +35,11 @@ import torch
 
 from mechmon_megatron.scan.errors import ScanInputError
 from mechmon_megatron.scan.readers.base import HeadCounts, HeadHints, LayerShapes, LayerWeights
-from mechmon_megatron.scan.readers.layouts import find_layer_keys, resolve_heads, split_heads
+from mechmon_megatron.scan.readers.layouts import build_layer, find_layer_keys, resolve_heads
 
 __all__ = ["TorchDistReader", "is_torch_dist"]
 
 QKV_KEY = "decoder.layers.self_attention.linear_qkv.weight"
-ROUTER_KEY = "decoder.layers.mlp.router.weight"
 
 
 def is_torch_dist(path: str) -> bool:
@@ -74,7 +79,13 @@ def _planner(requests: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> An
 
 
 class TorchDistReader:
-    """One ``iter_XXXXXXX`` directory of a ``torch_dist`` checkpoint."""
+    """One ``iter_XXXXXXX`` directory of a ``torch_dist`` checkpoint.
+
+    Every stored tensor stacked over the layers (``...decoder.layers.<name>``, leading axis the
+    global layer) is seen as one tensor per layer, ``...decoder.layers.<i>.<name>`` (the layers
+    whose chunk the store holds), so the per-layer layouts of ``layouts.py`` (classic Q/K with
+    QK-norms, MLA, routers) apply as to a flat state dict.
+    """
 
     format = "megatron_torch_dist"
 
@@ -92,22 +103,19 @@ class TorchDistReader:
         self._tensors: dict[str, Any] = {  # TensorStorageMetadata (size, properties.dtype, chunks) by key
             k: v for k, v in self._metadata.state_dict_metadata.items() if hasattr(v, "chunks")
         }
-        self._qkv = self._find(QKV_KEY)
-        self._router = self._find(ROUTER_KEY)
-        self._per_layer = None if self._qkv else find_layer_keys(self._tensors, path)
-        if not self._qkv and not self._per_layer:
+        # Per-layer name -> (stored key, layer index or None). The decoder's stacked tensors when
+        # there are any (other modules numbered from 0, e.g. multi-token prediction layers, would
+        # collide with the decoder's layer numbers), else the tensors as stored.
+        stacked = _per_layer_view(self._tensors)
+        self._where = stacked or {key: (key, None) for key in self._tensors}
+        self._keys = find_layer_keys(self._where, path)
+        if not self._keys:
             raise ScanInputError(
                 f"{path}: no attention Q/K tensor in the torch_dist metadata (expected {QKV_KEY!r} of shape "
-                "[num_layers, rows, hidden], or per-layer q_proj/k_proj / linear_qkv weights)."
+                "[num_layers, rows, hidden], the MLA projections (decoder.layers.self_attention.linear_kv_down_proj"
+                ".weight, ...), or per-layer q_proj/k_proj / linear_qkv weights)."
             )
         self._hints = self._common_hints().override(flag_hints)
-
-    def _find(self, key: str) -> Optional[str]:
-        if key in self._tensors:
-            return key
-        tail = key.split(".", 1)[1]
-        found = sorted(k for k in self._tensors if k.endswith(tail) and not k.startswith("optimizer"))
-        return found[0] if found else None
 
     def _common_hints(self) -> HeadHints:
         """Megatron-LM writes its ``args`` into ``common.pt``; the example trainer does not."""
@@ -121,29 +129,21 @@ class TorchDistReader:
         return hints_from_megatron_args(state.get("args") if isinstance(state, dict) else None, "args in common.pt")
 
     def layers(self) -> list[int]:
-        if self._qkv:
-            return list(range(1, int(self._tensors[self._qkv].size[0]) + 1))
-        assert self._per_layer is not None
-        return sorted(self._per_layer)
+        return sorted(self._keys)
+
+    def _shape(self, name: str) -> tuple[int, ...]:
+        key, index = self._where[name]
+        size = tuple(int(x) for x in self._tensors[key].size)
+        return size if index is None else size[1:]
 
     def shapes(self) -> dict[int, LayerShapes]:
-        if self._qkv:
-            qkv = tuple(int(x) for x in self._tensors[self._qkv].size[1:])
-            router = tuple(int(x) for x in self._tensors[self._router].size[1:]) if self._router else None
-            return {L: LayerShapes(qk=(qkv,), router=router) for L in self.layers()}
-        assert self._per_layer is not None
-        out = {}
-        for L, keys in self._per_layer.items():
-            router = tuple(int(x) for x in self._tensors[keys.router].size) if keys.router else None
-            out[L] = LayerShapes(qk=tuple(tuple(int(x) for x in self._tensors[k].size) for k in keys.keys),
-                                 router=router)
-        return out
+        return {L: LayerShapes(qk=tuple(self._shape(k) for k in keys.keys),
+                               router=self._shape(keys.router) if keys.router else None)
+                for L, keys in self._keys.items()}
 
     def heads(self, layer: int) -> HeadCounts:
-        shapes = self.shapes()[layer]
-        layout = "megatron_qkv" if self._qkv else self._per_layer[layer].layout  # type: ignore[index]
-        return resolve_heads(layout, {str(i): s for i, s in enumerate(shapes.qk)}, self._hints,
-                             f"{self.path} layer {layer}")
+        keys = self._keys[layer]
+        return resolve_heads(keys, {k: self._shape(k) for k in keys.keys}, self._hints, f"{self.path} layer {layer}")
 
     def _load(self, requests: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> dict[str, torch.Tensor]:
         import torch.distributed.checkpoint as dcp
@@ -164,27 +164,61 @@ class TorchDistReader:
             ) from None
         return dest
 
-    def _stacked_request(self, key: str, layer: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    def _request(self, name: str) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+        """(stored key, offsets, sizes) of one per-layer tensor: its layer's chunk of a stacked
+        tensor, or the whole tensor."""
+        key, index = self._where[name]
         size = tuple(int(x) for x in self._tensors[key].size)
-        return (layer - 1,) + (0,) * (len(size) - 1), (1,) + size[1:]
+        if index is None:
+            return key, (0,) * len(size), size
+        return key, (index,) + (0,) * (len(size) - 1), (1,) + size[1:]
 
     def read_layer(self, layer: int) -> LayerWeights:
         counts = self.heads(layer)
-        if self._qkv:
-            requests = {self._qkv: self._stacked_request(self._qkv, layer)}
-            if self._router:
-                requests[self._router] = self._stacked_request(self._router, layer)
-            got = self._load(requests)
-            wq, wk = split_heads("megatron_qkv", [got[self._qkv][0]], counts)
-            router = got[self._router][0] if self._router else None
-            return LayerWeights(layer=layer, wq=wq, wk=wk, router=router)
-        assert self._per_layer is not None
-        keys = self._per_layer[layer]
-        wanted = list(keys.keys) + ([keys.router] if keys.router else [])
-        got = self._load({k: ((0,) * len(self._tensors[k].size), tuple(int(x) for x in self._tensors[k].size))
-                          for k in wanted})
-        wq, wk = split_heads(keys.layout, [got[k] for k in keys.keys], counts)
-        return LayerWeights(layer=layer, wq=wq, wk=wk, router=got[keys.router] if keys.router else None)
+        keys = self._keys[layer]
+        names = list(keys.keys) + ([keys.router] if keys.router else [])
+        requests = {name: self._request(name) for name in names}
+        # One stored tensor is requested once (two names never share one: one layer, one chunk each).
+        got = self._load({key: (offsets, sizes) for key, offsets, sizes in requests.values()})
+
+        def tensor(name: str) -> torch.Tensor:
+            key, index = self._where[name]
+            return got[key][0] if index is not None else got[key]
+
+        tensors = {role: tensor(name) for role, name in zip(keys.roles, keys.keys)}
+        return build_layer(keys, tensors, counts, tensor(keys.router) if keys.router else None,
+                           f"{self.path} layer {layer}")
+
+
+_STACKED = re.compile(r"(?:^|\.)decoder\.layers\.(?=[^\d.])")
+
+
+def _covered(meta: Any) -> set[int]:
+    """Indices along the leading (layer) axis that the stored chunks cover."""
+    out: set[int] = set()
+    for chunk in meta.chunks:
+        start = int(chunk.offsets[0])
+        out.update(range(start, start + int(chunk.sizes[0])))
+    return out
+
+
+def _per_layer_view(tensors: dict[str, Any]) -> dict[str, tuple[str, Optional[int]]]:
+    """The decoder's stacked tensors seen per layer: ``...decoder.layers.<i>.<name>`` ->
+    (stored key ``...decoder.layers.<name>``, index ``i`` on its leading axis).
+
+    megatron-core stacks each transformer-layer tensor on a leading layer axis
+    (``decoder.layers.self_attention.linear_qkv.weight`` ``[num_layers, rows, hidden]``); a tensor
+    only some layers have (an MoE router with dense layers between) is stored as chunks at those
+    layers only, and only those are listed.
+    """
+    out: dict[str, tuple[str, Optional[int]]] = {}
+    for key, meta in tensors.items():
+        match = _STACKED.search(key)
+        if key.startswith("optimizer") or match is None or len(meta.size) < 2:
+            continue
+        for index in sorted(_covered(meta)):
+            out[f"{key[:match.end()]}{index}.{key[match.end():]}"] = (key, index)
+    return out
 
 
 def _short(exc: BaseException) -> str:
@@ -194,9 +228,29 @@ def _short(exc: BaseException) -> str:
 
 
 def hints_from_megatron_args(args: Any, source: str) -> HeadHints:
-    """Head counts from a Megatron-LM ``args`` namespace (None: nothing known)."""
+    """Head layout from a Megatron-LM ``args`` namespace (None: nothing known).
+
+    The MLA dims are taken only with ``multi_latent_attention``: Megatron-LM's ``args`` carry
+    their defaults (``qk_head_dim`` 128, ...) for every model. ``normalization`` (Megatron-LM's
+    default is LayerNorm) and ``apply_layernorm_1p`` (megatron-core's
+    ``layernorm_zero_centered_gamma``) say how the QK-norms and latent norms fold.
+    """
     if args is None:
         return HeadHints()
-    heads = getattr(args, "num_attention_heads", None)
-    groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None
-    return HeadHints(num_heads=heads, num_groups=groups, head_dim=getattr(args, "kv_channels", None), source=source)
+
+    def get(name: str) -> Any:
+        return getattr(args, name, None)
+
+    groups = get("num_query_groups") if get("group_query_attention") else None
+    mla = bool(get("multi_latent_attention"))
+    zero = get("apply_layernorm_1p")
+    if zero is None:
+        zero = get("layernorm_zero_centered_gamma")
+    normalization = get("normalization") if get("normalization") in ("LayerNorm", "RMSNorm") else None
+    return HeadHints(
+        num_heads=get("num_attention_heads"), num_groups=groups, head_dim=get("kv_channels"),
+        qk_head_dim=get("qk_head_dim") if mla else None,
+        qk_pos_emb_head_dim=get("qk_pos_emb_head_dim") if mla else None,
+        v_head_dim=get("v_head_dim") if mla else None,
+        q_lora_rank=get("q_lora_rank") if mla else None, kv_lora_rank=get("kv_lora_rank") if mla else None,
+        normalization=normalization, zero_centered_gamma=None if zero is None else bool(zero), source=source)
