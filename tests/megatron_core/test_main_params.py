@@ -424,6 +424,7 @@ def test_monitored_bf16_job_with_distributed_optimizer_reads_main_params_on_ever
     assert last["mechmon/errors"] == 0.0
 
 
+@pytest.mark.slow  # ~30 s each on the shared machine (fast-leg budget); the layouts test covers the reads
 @pytest.mark.parametrize("variant", [
     ["--qk-layernorm"],
     ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim", "16",
