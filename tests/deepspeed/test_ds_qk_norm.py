@@ -29,10 +29,10 @@ from torch import nn
 from mechmon_megatron.adapters.deepspeed.attention_layouts import find_attention, parse_mapping
 from mechmon_megatron.adapters.deepspeed.engine_hooks import _AttentionReader
 from mechmon_megatron.monitors.norm_fold import fold_norm
-from mechmon_megatron.monitors.spectral import spectral_stats
 from mechmon_megatron.session.host import QKWeights
 from tests.deepspeed._hf_qk_norm import EPS, HEAD_DIM, HEADS, HIDDEN, KINDS, KV_HEADS, QKNormAttention
 from tests.megatron_core._torchrun import REPO_ROOT, run_ranks
+from tests.monitors.dense_reference import dense_delta2_entropy
 
 DRIVER = REPO_ROOT / "tests" / "deepspeed" / "_qk_norm_driver.py"
 ENGINE_KINDS = ("qwen3", "gemma3", "olmo2", "unknown")  # one layer each; the last is not folded
@@ -163,17 +163,6 @@ def _effective(kind: str, w: torch.Tensor, gamma: torch.Tensor, n: int) -> torch
     return rows * g.reshape(-1 if kind == "olmo2" else 1, HEAD_DIM, 1)
 
 
-def _dense_delta2_entropy(wq0, wk0, wq1, wk1) -> torch.Tensor:
-    """Per-head Delta2 entropy from explicit hidden x hidden matrices, float64."""
-    group = wq0.shape[0] // wk0.shape[0]
-    out = []
-    for h in range(wq0.shape[0]):
-        q0, q1, k0, k1 = wq0[h].double(), wq1[h].double(), wk0[h // group].double(), wk1[h // group].double()
-        delta2 = (q1 - q0).T @ k0 + q0.T @ (k1 - k0)
-        out.append(spectral_stats(torch.linalg.svdvals(delta2)[None], alpha=ALPHA)["entropy"][0])
-    return torch.stack(out)
-
-
 def _rows_at(weights: dict, step: int, layer: int, kind: str, folded: bool) -> tuple[torch.Tensor, torch.Tensor]:
     w = weights[step][layer]
     if not folded:
@@ -205,10 +194,10 @@ def test_engine_per_head_delta2_equals_the_dense_reference_on_folded_rows(tmp_pa
                 continue
             got = torch.tensor([row["scalars"][k] for k in keys], dtype=torch.float64)
             assert not torch.equal(weights[step][layer - 1]["q_norm"], weights[step - 2][layer - 1]["q_norm"])
-            folded = _dense_delta2_entropy(*_rows_at(weights, step - 2, layer - 1, kind, True),
-                                           *_rows_at(weights, step, layer - 1, kind, True))
-            unfolded = _dense_delta2_entropy(*_rows_at(weights, step - 2, layer - 1, kind, False),
-                                             *_rows_at(weights, step, layer - 1, kind, False))
+            folded = dense_delta2_entropy(*_rows_at(weights, step - 2, layer - 1, kind, True),
+                                           *_rows_at(weights, step, layer - 1, kind, True), alpha=ALPHA)
+            unfolded = dense_delta2_entropy(*_rows_at(weights, step - 2, layer - 1, kind, False),
+                                             *_rows_at(weights, step, layer - 1, kind, False), alpha=ALPHA)
             # The unknown norm's layer is monitored on the projection rows themselves.
             torch.testing.assert_close(got, unfolded if kind == "unknown" else folded, rtol=1e-5, atol=0)
             assert (folded - unfolded).abs().max() > 1e-3, (kind, step)  # the fold matters

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from mechmon_megatron.monitors.spectral import spectral_stats
+from tests.monitors.dense_reference import dense_delta2_entropy
 from tests.monitors.test_mla_increment import dense_singular_values
 
 pytest.importorskip("megatron.core")
@@ -75,17 +76,6 @@ def _read(site):
     return site.read_heads(), full
 
 
-def _dense_delta2_entropy(wq0, wk0, wq1, wk1) -> torch.Tensor:
-    """Per-head Delta2 entropy from explicit hidden x hidden matrices, float64."""
-    group = wq0.shape[0] // wk0.shape[0]
-    out = []
-    for h in range(wq0.shape[0]):
-        q0, q1, k0, k1 = wq0[h].double(), wq1[h].double(), wk0[h // group].double(), wk1[h // group].double()
-        delta2 = (q1 - q0).T @ k0 + q0.T @ (k1 - k0)
-        out.append(spectral_stats(torch.linalg.svdvals(delta2)[None], alpha=1.0)["entropy"][0])
-    return torch.stack(out)
-
-
 def _train_step(module, forward) -> None:
     optimizer = torch.optim.Adam(module.parameters(), lr=1e-2)
     forward().backward()
@@ -127,10 +117,10 @@ def test_qk_norm_check_equals_dense_reference_on_folded_rows(model_parallel):
     got = torch.tensor([s.value for s in out.streams], dtype=torch.float64)
     from mechmon_megatron.monitors.norm_fold import fold_norm
 
-    ref = _dense_delta2_entropy(fold_norm(prev.wq, prev.q_norm), fold_norm(prev.wk, prev.k_norm),
-                                fold_norm(now.wq, now.q_norm), fold_norm(now.wk, now.k_norm))
+    ref = dense_delta2_entropy(fold_norm(prev.wq, prev.q_norm), fold_norm(prev.wk, prev.k_norm),
+                                fold_norm(now.wq, now.q_norm), fold_norm(now.wk, now.k_norm), alpha=1.0)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=0)
-    unfolded = _dense_delta2_entropy(prev.wq, prev.wk, now.wq, now.wk)
+    unfolded = dense_delta2_entropy(prev.wq, prev.wk, now.wq, now.wk, alpha=1.0)
     assert (got - unfolded).abs().max() > 1e-3  # without the gammas the monitor reads another matrix
 
 

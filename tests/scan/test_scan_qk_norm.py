@@ -16,26 +16,14 @@ import pytest
 import torch
 
 from mechmon_megatron.monitors.norm_fold import fold_norm
-from mechmon_megatron.monitors.spectral import spectral_stats
 from mechmon_megatron.scan import ScanConfig, ScanInputError, run_scan
 from mechmon_megatron.session.qkv_layout import qkv_row_indices
+from tests.monitors.dense_reference import dense_delta2_entropy
 from tests.scan import variant_checkpoints as V
 
 ALPHA = 2.0
 EARLIER, LATER = 10, 20
 HEADS, GROUPS, HEAD_DIM, HIDDEN = 4, 2, 8, 32  # as tests/megatron_core/test_qk_norm_and_mla_sites.py
-
-
-def dense_delta2_entropy(wq0, wk0, wq1, wk1) -> torch.Tensor:
-    """Per-head Delta2 entropy from explicit hidden x hidden matrices (rows ``[heads, head_dim,
-    hidden]``, keys ``[groups, head_dim, hidden]``), float64."""
-    group = wq0.shape[0] // wk0.shape[0]
-    out = []
-    for h in range(wq0.shape[0]):
-        q0, q1, k0, k1 = wq0[h].double(), wq1[h].double(), wk0[h // group].double(), wk1[h // group].double()
-        delta2 = (q1 - q0).T @ k0 + q0.T @ (k1 - k0)
-        out.append(spectral_stats(torch.linalg.svdvals(delta2)[None], alpha=ALPHA)["entropy"][0])
-    return torch.stack(out)
 
 
 def _scan(root: Path, out: Path, **flags) -> dict[str, float]:
@@ -78,11 +66,11 @@ class _Run:
     def folded(self) -> torch.Tensor:
         (a, _), (b, _) = self.prev, self.now
         return dense_delta2_entropy(fold_norm(a.wq, a.q_norm), fold_norm(a.wk, a.k_norm),
-                                    fold_norm(b.wq, b.q_norm), fold_norm(b.wk, b.k_norm))
+                                    fold_norm(b.wq, b.q_norm), fold_norm(b.wk, b.k_norm), alpha=ALPHA)
 
     def unfolded(self) -> torch.Tensor:
         (a, _), (b, _) = self.prev, self.now
-        return dense_delta2_entropy(a.wq, a.wk, b.wq, b.wk)
+        return dense_delta2_entropy(a.wq, a.wk, b.wq, b.wk, alpha=ALPHA)
 
     def qwen3_states(self, zero_centred: bool = False) -> dict[int, V.State]:
         """Hugging Face names (q_proj, k_proj, v_proj, q_norm, k_norm); with ``zero_centred`` the
@@ -181,12 +169,12 @@ def test_olmo2_whole_projection_norm_folds_per_head_slice(tmp_path):
     pytest.importorskip("safetensors")
     states, (before, after) = _olmo2_states()
     got = _scan(_write_olmo2(tmp_path / "run", states), tmp_path / "out")
-    ref = dense_delta2_entropy(*_olmo2_folded(before), *_olmo2_folded(after))
+    ref = dense_delta2_entropy(*_olmo2_folded(before), *_olmo2_folded(after), alpha=ALPHA)
     torch.testing.assert_close(_per_head(got), ref, rtol=1e-5, atol=0)
     assert math.isclose(got["mechmon/attn/delta2_entropy/layer_1"], float(ref.mean()), rel_tol=1e-5)
     assert math.isclose(got["mechmon/attn/delta2_entropy_min/layer_1"], float(ref.min()), rel_tol=1e-5)
     unfolded = dense_delta2_entropy(*(s[n].reshape(-1, HEAD_DIM, HIDDEN) for s in (before, after)
-                                      for n in ("q_proj.weight", "k_proj.weight")))
+                                      for n in ("q_proj.weight", "k_proj.weight")), alpha=ALPHA)
     assert (_per_head(got) - unfolded).abs().max() > 1e-3
     # The same scalars as any classic layer (Delta1/3, per-head and full-matrix dW), one value each.
     for name in ("delta1_entropy", "delta3_entropy", "dwq_head_entropy", "dwk_head_entropy", "dw_entropy"):
