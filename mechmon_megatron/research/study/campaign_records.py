@@ -28,6 +28,7 @@ _KEPT_PREFIXES = (
     "mechmon/router/max_vio/",
     "mechmon/attn/wq_spectral_norm/",
     "mechmon/attn/delta2_short_persistence/",
+    "mechmon/attn/delta2_whole_entropy/",  # MLA's whole stream (the frontier study's secondary replay)
     "mechmon/detect/",
     "mechmon/alarm",
 )
