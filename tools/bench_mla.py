@@ -30,10 +30,8 @@ Prints one JSON object with ``--json``, a table otherwise. ``main(argv)`` return
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import sys
 from collections.abc import Callable, Sequence
 
@@ -247,11 +245,7 @@ def run(args: argparse.Namespace) -> dict:
         "flop_ratio_baseline_over_latent": fl["baseline_total"] / fl["latent_total"],
         "peak_cuda_bytes": {"mla_latent": peak_latent, "explicit_baseline": peak_base},
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
-        "torch_version": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        **bench_monitors.environment(),
     }
 
 

@@ -220,6 +220,13 @@ def run(args: argparse.Namespace) -> dict:
             "min_gap_exact_minus_randomized": gap.min().item(),
             "fro_norm": rnd["fro_norm"].item(),
         },
+        **environment(),
+    }
+
+
+def environment() -> dict:
+    """Where a benchmark ran: torch, threads, CPU, Python, date (shared by the sibling benchmarks)."""
+    return {
         "torch_version": torch.__version__,
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
