@@ -51,7 +51,7 @@ TRAINING_MODULE = "megatron.training.training"
 PARSERS = ("parse_args", "parse_and_validate_args")
 PROG = "mechmon-run"
 USAGE = f"{PROG} SCRIPT [Megatron-LM flags] [--mechmon --mechmon-* ...]"
-FLAG_USAGE = "pretrain_gpt.py [Megatron-LM flags] --mechmon [--mechmon-* ...] (flags: docs/MEGATRON_LM.md, README)"
+FLAG_USAGE = "pretrain_gpt.py [Megatron-LM flags] --mechmon [--mechmon-* ...] (flags: docs/USAGE.md)"
 _MARK = "_mechmon_run_wrapped"
 EXIT_USAGE = 2
 
