@@ -23,6 +23,8 @@ EXTRAS = {
     "flash": ["flash-attn>=2.6"],  # GPU only
     # mechmon-scan: safetensors folders, TensorBoard events, the HTML report's plots, the progress bar.
     "scan": ["safetensors>=0.4", "tensorboard>=2.16", "matplotlib>=3.8", "tqdm>=4.66"],
+    # mechmon-calibrate: reading a run's TensorBoard events, the progress bar.
+    "calibrate": ["tensorboard>=2.16", "tqdm>=4.66"],
     "test": [
         "pytest>=8",
         "hypothesis>=6.100",
@@ -71,6 +73,7 @@ setup(
     entry_points={"console_scripts": [
         "mechmon-patch=mechmon_megatron.adapters.megatron_lm.patch_tool:main",
         "mechmon-run=mechmon_megatron.adapters.megatron_lm.run:main",
+        "mechmon-calibrate=mechmon_megatron.calibrate.cli:main",
         "mechmon-plan=mechmon_megatron.plan.cli:main",
         "mechmon-scan=mechmon_megatron.scan.cli:main",
         "mechmon-supervise=mechmon_megatron.supervise.cli:main",

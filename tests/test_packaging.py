@@ -36,8 +36,9 @@ BUILD_INPUTS = ("setup.py", "pyproject.toml", "README.md", "mechmon_megatron", "
                 "examples/pretrain_scripts/setup.py", "examples/pretrain_scripts/gpt_trainer")
 """Everything setup.py and examples/pretrain_scripts/setup.py read."""
 PRODUCT_SUBPACKAGES = ("monitors", "detect", "session", "adapters/megatron_core", "adapters/megatron_lm",
-                       "adapters/deepspeed", "cli", "plan", "scan", "scan/readers", "supervise")
-CONSOLE_SCRIPTS = ("mechmon-patch", "mechmon-run", "mechmon-plan", "mechmon-scan", "mechmon-supervise")
+                       "adapters/deepspeed", "cli", "plan", "scan", "scan/readers", "supervise", "calibrate")
+CONSOLE_SCRIPTS = ("mechmon-patch", "mechmon-run", "mechmon-plan", "mechmon-scan", "mechmon-supervise",
+                   "mechmon-calibrate")
 
 
 def _copy_build_inputs(dest: Path) -> Path:

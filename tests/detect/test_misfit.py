@@ -59,7 +59,7 @@ def _run_counter(increments, warning, p_warning):
 def test_heavy_tailed_stream_fires_and_light_tailed_does_not():
     rng = random.Random(7)
     p_warning = 1e-3
-    # Calibrate on a light-tailed (Gaussian) healthy stream, as tools/calibrate_detector.py would.
+    # Calibrate on a light-tailed (Gaussian) healthy stream, as mechmon-calibrate would.
     calibration = [rng.gauss(0, 1) for _ in range(20_000)]
     warning = fit_null_tail(_cusum_values(calibration)).threshold(p_warning)
     light = [rng.gauss(0, 1) for _ in range(20_000)]

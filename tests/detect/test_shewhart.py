@@ -156,5 +156,5 @@ def test_default_thresholds_and_account_are_unchanged_by_the_option():
     plain = TailTable(tails=_table().tails)
     assert "shewhart" not in plain.to_dict()
     assert TailTable.from_dict(_table().to_dict()).shewhart == _table().shewhart
-    with pytest.raises(KeyError, match="calibrate_detector"):
+    with pytest.raises(KeyError, match="mechmon-calibrate"):
         thresholds_for_job(shape, 0.01, plain, shewhart=True)

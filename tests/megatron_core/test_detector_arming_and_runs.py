@@ -119,13 +119,12 @@ def test_a_resume_with_another_interval_keeps_the_baselines(launches):
 
 
 def test_fresh_starts_into_one_log_dir_are_separate_runs(launches):
-    from mechmon_megatron.research.study.campaign_data import load_checks
+    from mechmon_megatron.calibrate.inputs import load_checks, load_runs
 
     log = launches["log"]
     records = str(log / "mechmon_scalars.jsonl")
     with pytest.raises(ValueError, match="holds 2 runs"):  # never one series of two trainings
         load_checks(records)
-    from mechmon_megatron.research.study.campaign_data import load_runs
 
     # A, then two resumes (one repeating steps 210-230 after the rollback to 200): one run
     (run,) = load_runs(str(launches["before_D"]))
@@ -142,9 +141,25 @@ def test_fresh_starts_into_one_log_dir_are_separate_runs(launches):
     assert [(m["run"], m["start_iteration"], m["resumed"], m["interval"], m["delta"]) for m in markers] == [
         (1, 0, False, 10, 20), (1, 200, True, 10, 10), (1, 200, True, 20, 20), (2, 0, False, 10, 10)]
     # calibration reads the file's runs as separate series
-    completed = subprocess.run([sys.executable, "tools/calibrate_detector.py", records, "--interval", "10",
-                                "--delta", "10"], capture_output=True, text=True, timeout=300,
-                               cwd=Path(__file__).resolve().parents[2])
+    completed = subprocess.run([sys.executable, "-m", "mechmon_megatron.calibrate", records, "--interval", "10",
+                                "--delta", "10"], capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stderr[-3000:]
     summary = json.loads(completed.stdout)
     assert summary["runs"] == 2 and summary["checks"] == len(first) + len(second)
+
+
+def test_the_launches_event_files_split_into_the_same_runs(launches):
+    """The four launches' TensorBoard files in the log dir: resumes join run 1, the fresh start is
+    run 2, with the records' steps and names (values as float32, as TensorBoard keeps them)."""
+    import numpy as np
+
+    from mechmon_megatron.calibrate.inputs import load_runs
+    from mechmon_megatron.calibrate.tensorboard_events import event_files, read_event_runs
+
+    log = str(launches["log"])
+    assert len(event_files(log)) == 4
+    events = read_event_runs(log, event_files(log))
+    records = load_runs(log)  # the folder's JSONL records, preferred to its events
+    assert [[s for s, _ in run] for run in events] == [[s for s, _ in run] for run in records]
+    rounded = [[(s, {k: float(np.float32(v)) for k, v in sc.items()}) for s, sc in run] for run in records]
+    assert json.dumps(events, sort_keys=True) == json.dumps(rounded, sort_keys=True)  # text: NaN == NaN

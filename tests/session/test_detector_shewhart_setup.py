@@ -46,7 +46,7 @@ def test_calibration_without_shewhart_section_is_refused_naming_the_flag(tmp_pat
     path = tmp_path / "old_tails.json"
     path.write_text(json.dumps(old))
     load_detector_design(MechmonConfig(enabled=True, interval=20, delta=100, detector_calibration=str(path)))
-    with pytest.raises(ValueError, match="--mechmon-detector-shewhart.*tools/calibrate_detector.py"):
+    with pytest.raises(ValueError, match="--mechmon-detector-shewhart.*mechmon-calibrate"):
         load_detector_design(
             MechmonConfig(enabled=True, interval=20, delta=100, detector_calibration=str(path), detector_shewhart=True)
         )

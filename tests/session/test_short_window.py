@@ -1,4 +1,4 @@
-"""``--mechmon-short-window`` (issue 19): Delta2 over the last ``interval`` steps beside the
+"""``--mechmon-short-window``: Delta2 over the last ``interval`` steps beside the
 ``delta``-step window, from the snapshot the ring already holds; its detector family."""
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def test_short_window_needs_delta_a_larger_multiple_of_interval(interval, delta)
 
 
 def test_shipped_calibration_without_the_family_stops_startup_naming_it():
-    with pytest.raises(ValueError, match="--mechmon-short-window.*'attn_delta2_short'.*calibrate_detector"):
+    with pytest.raises(ValueError, match="--mechmon-short-window.*'attn_delta2_short'.*mechmon-calibrate"):
         MonitoringSession(MechmonConfig(enabled=True, interval=20, delta=100, short_window=True),
                           [ToyAttention(1, 0).site()])
     MonitoringSession(MechmonConfig(enabled=True, interval=20, delta=100), [ToyAttention(1, 0).site()])  # off: fine

@@ -3,6 +3,11 @@
 A fault run forked from a healthy run at ``fork_at = onset - delta`` is bit-identical to its
 parent before ``onset`` (tested), so its record is the parent's steps and checks before
 ``onset`` followed by its own from ``onset`` on.
+
+The loader of recorded checks (``load_runs``, ``load_checks``, ``load_named_runs``: a run folder,
+its ``mechmon_scalars.jsonl``, an exported ``.json.gz`` record, a TensorBoard folder) lives in the
+product (``mechmon_megatron.calibrate.inputs``, what ``mechmon-calibrate`` reads); the studies
+import it from here.
 """
 
 from __future__ import annotations
@@ -11,11 +16,13 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from mechmon_megatron.calibrate.inputs import load_checks, load_named_runs, load_runs
 from mechmon_megatron.research.study.analysis import RunData, read_jsonl
 from mechmon_megatron.research.study.campaign import SCALARS_FILE, read_status, run_dir
 from mechmon_megatron.research.study.long_plan import CampaignRun, plan_campaign
 from mechmon_megatron.research.study.scenarios import MECHMON_DIR, METRICS_FILE
-from mechmon_megatron.session.runs import split_runs
+
+__all__ = ["CampaignRecord", "joined_rows", "load_campaign", "load_checks", "load_named_runs", "load_runs"]
 
 
 @dataclass
@@ -62,57 +69,3 @@ def load_campaign(out_dir: str, runs: Optional[list[CampaignRun]] = None) -> dic
             run=run, data=RunData.from_rows(metrics, checks), status=read_status(directory)
         )
     return out
-
-
-def scalars_path(path: str) -> str:
-    """``path/mechmon/mechmon_scalars.jsonl`` for a run directory, or ``path`` itself."""
-    candidate = os.path.join(path, MECHMON_DIR, SCALARS_FILE) if os.path.isdir(path) else path
-    if not os.path.isfile(candidate):
-        raise FileNotFoundError(
-            f"{path}: no {MECHMON_DIR}/{SCALARS_FILE} (expected a run directory or the file itself)"
-        )
-    return candidate
-
-
-def load_runs(path: str) -> list[list[tuple[int, dict[str, float]]]]:
-    """The recorded checks of each run in ``path`` (a run directory, its ``mechmon_scalars.jsonl``,
-    or a record exported by ``tools/detector_study.py export``, ``*.json.gz``), each sorted by step;
-    FileNotFoundError / ValueError name the path.
-
-    A records file holds one run per fresh start into its log dir (the rows' ``run`` numbers,
-    ``session/runs.py``); a resume, or a relaunch by ``mechmon-supervise`` after a rollback,
-    continues its run, whose repeated iterations stay in it (sorted by step, duplicates kept, as
-    a file of one run always loaded). A file without run numbers is one run."""
-    if path.endswith(".json.gz") and os.path.isfile(path):
-        from mechmon_megatron.research.study.campaign_records import load_record  # it imports this module
-
-        return [load_record(path).data.checks]
-    rows = read_jsonl(scalars_path(path))
-    if not rows:
-        raise ValueError(f"{path}: no checks recorded")
-    return [RunData.from_rows([], run).checks for run in split_runs(rows)]
-
-
-def load_checks(path: str) -> list[tuple[int, dict[str, float]]]:
-    """The recorded checks of the one run in ``path`` (see :func:`load_runs`), sorted by step;
-    ValueError when the file holds several runs (fresh starts appended to one log dir): a series
-    that joined them would read the second start as a change inside one run."""
-    runs = load_runs(path)
-    if len(runs) > 1:
-        raise ValueError(f"{path}: holds {len(runs)} runs (fresh starts into one --mechmon-log-dir); read them "
-                         "one by one with load_runs")
-    return runs[0]
-
-
-def load_named_runs(paths: list[str], name_of=None) -> tuple[list[list[tuple[int, dict[str, float]]]], list[str]]:
-    """Every run of every path, and a name for each: the path's name (``name_of``, default its
-    base name), with ``#run K`` when its file holds several runs."""
-    series: list[list[tuple[int, dict[str, float]]]] = []
-    names: list[str] = []
-    for path in paths:
-        name = name_of(path) if name_of is not None else os.path.basename(os.path.normpath(path))
-        runs = load_runs(path)
-        for k, run in enumerate(runs, start=1):
-            series.append(run)
-            names.append(name if len(runs) == 1 else f"{name}#run{k}")
-    return series, names

@@ -5,9 +5,9 @@ import random
 
 import pytest
 
+from mechmon_megatron.calibrate.fit import calibrate_on_runs, null_residuals
 from mechmon_megatron.detect.pooled_cusum import SequentialConfig
 from mechmon_megatron.detect.robust_trend import TrendConfig
-from mechmon_megatron.research.study.pooled_replay import calibrate_on_runs, null_residuals
 
 CFG = SequentialConfig(trend=TrendConfig(warmup=5, min_trend=50, window=50, rel_scale_floor=0.0, abs_scale_floor=0.01))
 

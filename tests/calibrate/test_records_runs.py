@@ -1,5 +1,5 @@
 """Runs in one records file (``session/runs.py``): numbering by the JSONL writer, splitting by the
-loader of calibration (``campaign_data.load_runs``); a file without run numbers loads as before."""
+loader of calibration (``calibrate.inputs.load_runs``); a file without run numbers loads as before."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from mechmon_megatron.calibrate.inputs import load_checks, load_named_runs, load_runs
 from mechmon_megatron.research.study.analysis import RunData, read_jsonl
-from mechmon_megatron.research.study.campaign_data import load_checks, load_named_runs, load_runs
 from mechmon_megatron.session.runs import RUNS_FILE, last_record
 from mechmon_megatron.session.writers import JsonlScalarWriter
 
-RECORD = Path(__file__).resolve().parents[3] / "docs" / "data" / "detector_study" / "healthy-cosine-seed1.json.gz"
+RECORD = Path(__file__).resolve().parents[2] / "docs" / "data" / "detector_study" / "healthy-cosine-seed1.json.gz"
 
 
 def test_a_records_file_without_run_numbers_loads_exactly_as_before(tmp_path):
