@@ -1,4 +1,4 @@
-"""What one check costs in communication, rank by rank, as the job grows (issue 21).
+"""What one check costs in communication, rank by rank, as the job grows.
 
 Launches the example trainer (tiny MoE GPT, a few checks) under torchrun on 2, 4, 8 and 16 gloo
 processes on CPU and records, per check and per rank, the bytes that rank's monitor collectives

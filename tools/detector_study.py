@@ -4,10 +4,7 @@
     python tools/detector_study.py analyze --out runs/detector_study         # tables, plots, JSON
     python tools/detector_study.py export --out runs/detector_study --to docs/data/detector_study
     python tools/detector_study.py analyze --out /tmp/ds --records docs/data/detector_study  # no training
-    python tools/detector_study.py run --plan short-window --out ../detector_runs/short_window --jobs 1
     python tools/detector_study.py run --plan frontier-mla --out runs/frontier_mla --jobs 2
-    python tools/detector_study.py export --plan short-window --out ../detector_runs/short_window \
-        --to docs/data/short_window_study
 
 ``run`` trains (or resumes) every run of ``mechmon_megatron.research.study.long_plan``; launch it again
 after an interruption and it continues from the checkpoints. See docs/RESULTS.md.
@@ -25,14 +22,11 @@ from typing import Optional
 from mechmon_megatron.research.study.campaign import launch_campaign
 from mechmon_megatron.research.study.frontier_plan import FRONTIER_VARIANTS, plan_frontier_campaign
 from mechmon_megatron.research.study.long_plan import CampaignRun, plan_campaign
-from mechmon_megatron.research.study.short_window_plan import plan_short_window_campaign, write_provisional_calibration
 
-PLANS = ("study", "short-window", *(f"frontier-{v}" for v in FRONTIER_VARIANTS))
+PLANS = ("study", *(f"frontier-{v}" for v in FRONTIER_VARIANTS))
 
 
-def _plan(name: str, out_dir: str) -> list[CampaignRun]:
-    if name == "short-window":
-        return plan_short_window_campaign(write_provisional_calibration(out_dir))
+def _plan(name: str) -> list[CampaignRun]:
     if name.startswith("frontier-"):
         return plan_frontier_campaign(name.removeprefix("frontier-"))
     return plan_campaign()
@@ -58,8 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--only", default=None, help="Comma-separated run ids (default: all).")
     run.add_argument("--no-progress", action="store_true")
     run.add_argument("--plan", choices=PLANS, default="study",
-                     help="study: the detector study (long_plan); short-window: its runs recorded with "
-                     "--mechmon-short-window (short_window_plan); frontier-mla / frontier-qknorm: its grid on "
+                     help="study: the detector study (long_plan); frontier-mla / frontier-qknorm: its grid on "
                      "multi-head latent attention / QK-norm (frontier_plan).")
     analyze = sub.add_parser("analyze", help="Calibrate the detector and compare rules at equal false-alarm rate.")
     analyze.add_argument("--out", required=True, help="Campaign directory (outputs go to OUT/analysis).")
@@ -78,14 +71,14 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     if args.command == "run":
-        runs = _only(_plan(args.plan, args.out), args.only)
+        runs = _only(_plan(args.plan), args.only)
         status = launch_campaign(runs, args.out, jobs=args.jobs, progress=not args.no_progress)
         print(json.dumps({k: v.get("state") for k, v in status.items()}, indent=1))
         return 0 if all(v.get("state") in ("done", "stopped-after-divergence") for v in status.values()) else 1
     if args.command == "export":
         from mechmon_megatron.research.study.campaign_records import export_records
 
-        paths = export_records(args.out, args.to, _only(_plan(args.plan, args.out), args.only))
+        paths = export_records(args.out, args.to, _only(_plan(args.plan), args.only))
         print(json.dumps({"files": len(paths), "bytes": sum(os.path.getsize(p) for p in paths)}))
         return 0
     from mechmon_megatron.research.study.detector_report import analyze_campaign

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check (issue 11, item 5): one command, < 8 minutes on one H200.
+# The prepared GPU check: one command, < 8 minutes on one H200.
 #
 #   tools/gpu_check.sh OUT_DIR [run_all.py flags, e.g. --budget-s 300 --only plan_llama3-70b]
 #

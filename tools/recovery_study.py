@@ -1,4 +1,4 @@
-"""Recovery study (issue 20, item 5): none / today's practice / mechmon's loop on the same fault runs.
+"""Recovery study: none / today's practice / mechmon's loop on the same fault runs.
 
     python tools/recovery_study.py run --out ../recovery_runs/study --cells fa:32:500:1,moe-lr:1
     python tools/recovery_study.py table [--records docs/data/recovery_study]

@@ -27,8 +27,13 @@ from dataclasses import asdict
 
 from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE
 from mechmon_megatron.research.study.campaign_records import load_records
-from mechmon_megatron.research.study.shipped_replay import fault_markdown, fault_row, markdown, replay_shipped
-from mechmon_megatron.research.study.short_window_study import logit_rule_threshold
+from mechmon_megatron.research.study.shipped_replay import (
+    fault_markdown,
+    fault_row,
+    logit_rule_threshold,
+    markdown,
+    replay_shipped,
+)
 
 
 def main(argv=None) -> int:

@@ -3,9 +3,8 @@
 One place for the trainer runs of the fault study, ``make demo`` and the test fixtures that assert
 something about a trajectory (an alarm step, a divergence, an anomaly window). Three libraries
 choose code paths by the CPU, and each choice changes the rounding, so the loss of the study model
-drifts apart within tens of steps (docs/RESULTS.md, "Reproducibility"; the round-2 pin capped
-ATen and MKL's instruction set only, and an Intel Xeon and an AMD EPYC still trained different
-runs):
+drifts apart within tens of steps (docs/RESULTS.md, "Reproducibility"; capping ATen and MKL's
+instruction set alone is not enough: an Intel Xeon and an AMD EPYC still train different runs):
 
 * ATen picks its vector kernels by instruction set (AVX2 or AVX-512): ``ATEN_CPU_CAPABILITY``
   caps it;

@@ -1,4 +1,4 @@
-"""The recovery study: three operators on the same fault runs of the CPU toy (issue 20, item 5).
+"""The recovery study: three operators on the same fault runs of the CPU toy.
 
 A cell is one fault at one seed, trained with the fault study's model and schedule (preset
 ``full`` of ``research/study/scenarios.py``: 1,500 steps, LR decaying over them, monitors every

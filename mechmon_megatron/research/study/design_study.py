@@ -1,4 +1,4 @@
-"""Issue 19 design study (offline, on the committed records): CUSUM alone vs CUSUM + Shewhart.
+"""Design study (offline, on the committed records): CUSUM alone vs CUSUM + Shewhart.
 
 Everything is measured at the SAME false-alarm rate (the session default R = 0.01 per 10^6
 steps, union bound over the job's tests, docs/METHOD.md section 7 step 4), at interval 20
@@ -261,7 +261,7 @@ def _fmt(x: Any) -> str:
 
 
 def markdown(results: Mapping[str, Any]) -> str:
-    """The tables of docs/RESULTS.md (issue 19 design study)."""
+    """The tables of docs/RESULTS.md ("Design study for a faster detector")."""
     lines = [
         f"R = {results['rate_per_million']:g} per 10^6 steps; "
         f"calibration runs {', '.join(results['calibration_runs'])}; "

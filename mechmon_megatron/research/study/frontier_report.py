@@ -29,10 +29,10 @@ from mechmon_megatron.research.study.shipped_replay import (
     RECORDED_INTERVAL,
     fault_markdown,
     fault_row,
+    logit_rule_threshold,
     markdown,
     replay_shipped,
 )
-from mechmon_megatron.research.study.short_window_study import logit_rule_threshold
 
 CONTENT = "mechmon/attn/delta2_entropy/"
 WHOLE = "mechmon/attn/delta2_whole_entropy/"

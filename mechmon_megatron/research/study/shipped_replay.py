@@ -7,90 +7,70 @@ seen. Records from any campaign work (``campaign_records.load_records``); stream
 shipped table does not cover (``attn_delta2_short``) are dropped first. The margins are the
 largest layer-level and family-level CUSUM of each family over the run against its warning and
 alarm levels: a run whose CUSUM stays under the warning never freezes a baseline, so a small
-margin there is a near miss (docs/RESULTS.md, "Healthy runs"). ``replay_healthy`` does the same
-with any tail table (``calibration_check`` uses it for its held-out runs); ``fault_row`` puts a
-fault run's first alarms beside the max-logit rule.
+margin there is a near miss (docs/RESULTS.md, "Healthy runs"). ``replay_healthy`` (with
+``FamilyMargin``, ``DetectorReplay`` and ``closest_margin``, in the product:
+``mechmon_megatron.calibrate.replay``) does the same with any tail table (the leave-one-out check
+uses it for its held-out runs); ``fault_row`` puts a fault run's first alarms beside the max-logit
+rule (``logit_rule_threshold``: its most sensitive threshold quiet on every healthy run of a set of
+records; ``logit_rule_first``: its first episode after the onset). Needs numpy (the rule scores).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Optional
 
-from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE, TailTable, load_tail_table
-from mechmon_megatron.detect.pooled_cusum import default_sequential_config
-from mechmon_megatron.research.study.campaign_data import CampaignRecord
-from mechmon_megatron.research.study.detector_report import events, lead_share
-from mechmon_megatron.research.study.pooled_replay import (
+from mechmon_megatron.calibrate.replay import (
     CORE_FAMILIES,
     Checks,
-    replay_pooled,
+    DetectorReplay,
+    closest_margin,
+    replay_healthy,
     subsample,
-    thresholds_at_rate,
 )
-from mechmon_megatron.research.study.short_window_study import logit_rule_first, only_families
+from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE, TailTable, load_tail_table
+from mechmon_megatron.research.study import rule_scores
+from mechmon_megatron.research.study.campaign_data import CampaignRecord
+from mechmon_megatron.research.study.detector_report import events, lead_share, operating_index, symptom_sweeps
+from mechmon_megatron.session.detector_inputs import stream_family
 
 RECORDED_INTERVAL = 20
 """Steps between the recorded checks of the detector and short-window studies."""
 RECORDED_DELTA = 100
 """Window (steps) of those records; interval 100 replays every fifth check (non-overlapping)."""
+LOGIT_RULE = "max_attn_logit"
+"""The symptom rule the detector's first alarms are set beside (``rule_scores``)."""
 
 
-@dataclass(frozen=True, slots=True)
-class FamilyMargin:
-    """Largest CUSUM of one family's tests over a run, against the levels (CUSUM units)."""
-
-    level: str
-    """``layer`` (the largest over its layers) or ``family`` (the pooled test)."""
-    largest: float
-    layer: Optional[int]
-    """The layer that reached ``largest`` (layer level only)."""
-    step: int
-    warning: float
-    alarm: float
-
-
-@dataclass
-class DetectorReplay:
-    """One run under the detector at one schedule (its alarms and its families' margins)."""
-
-    run_id: str
-    interval: int
-    steps: int
-    alarms: list[dict[str, Any]] = field(default_factory=list)
-    """Each: step, family, level, layers, statistic, threshold, change_step."""
-    margins: dict[str, list[FamilyMargin]] = field(default_factory=dict)
-    misfits: list[list[Any]] = field(default_factory=list)
-    """[step, family] where the calibration misfit counter fired, as the session's would."""
-
-
-def replay_healthy(checks: Checks, interval: int, overlap: int, table: TailTable, run_id: str = "",
-                   rate: float = DEFAULT_FALSE_ALARM_RATE) -> DetectorReplay:
-    """The detector with ``table``'s thresholds at ``rate`` on one run's ``checks`` (already at
-    ``interval``, families the table covers only), its misfit counter on as in the session: its
-    alarms, misfits and every family's margins."""
-    thresholds, account = thresholds_at_rate(checks, interval, overlap, rate, table)
-    replay = replay_pooled(checks, thresholds, default_sequential_config(interval),
-                           warning_probability=account["warning_per_test_check_probability"])
-    out = DetectorReplay(run_id=run_id, interval=interval, steps=checks[-1][0] if checks else 0,
-                         misfits=[list(m) for m in replay.misfits])
-    out.alarms = [{"step": a.step, "family": a.family, "level": a.level, "layers": list(a.layers),
-                   "statistic": a.statistic, "threshold": a.threshold, "change_step": a.change_step}
-                  for a in replay.alarms]
-    for family, levels in thresholds.items():
-        for level in ("layer", "family"):
-            keys = [k for k in replay.statistics if k.split("/", 1)[0] == family
-                    and (("/layer_" in k) == (level == "layer"))]
-            if not keys:
-                continue
-            best = max(((v, s, k) for k in keys for s, v in replay.statistics[k]), key=lambda t: t[0])
-            layer = int(best[2].rsplit("_", 1)[1]) if level == "layer" else None
-            t = getattr(levels, level)
-            out.margins.setdefault(family, []).append(
-                FamilyMargin(level=level, largest=best[0], layer=layer, step=best[1], warning=t.warning,
-                             alarm=t.alarm))
+def only_families(checks: Checks, families: Sequence[str]) -> list[tuple[int, dict[str, float]]]:
+    """The checks with every detector stream outside ``families`` removed (other scalars kept)."""
+    keep = set(families)
+    out = []
+    for step, scalars in checks:
+        out.append((step, {k: v for k, v in scalars.items() if (f := stream_family(k)) is None or f in keep}))
     return out
+
+
+def logit_rule_threshold(records: Mapping[str, CampaignRecord]) -> Optional[float]:
+    """The max-logit rule's most sensitive threshold with no alarm on any healthy run of ``records``."""
+    healthy_steps = sum(r.data.steps[-1] for r in records.values() if r.healthy and r.data.steps)
+    sweep = symptom_sweeps(records)[LOGIT_RULE]
+    idx = operating_index(sweep, healthy_steps, None)
+    return None if idx is None else float(sweep.thresholds[idx])
+
+
+def logit_rule_first(record: CampaignRecord, threshold: Optional[float]) -> Optional[int]:
+    """First alarm episode of the max-logit rule that starts at or after the onset."""
+    if threshold is None:
+        return None
+    d = record.data
+    series = rule_scores.rule_scores(d.steps, d.loss, d.grad_norm, d.max_attn_logit, {}).get(LOGIT_RULE)
+    if series is None:
+        return None
+    onset = record.run.fault_onset or 0
+    starts = [s for s in rule_scores.episodes(series, threshold) if s >= onset]
+    return starts[0] if starts else None
 
 
 def replay_shipped(record: CampaignRecord, interval: int = RECORDED_INTERVAL,
@@ -105,12 +85,6 @@ def replay_shipped(record: CampaignRecord, interval: int = RECORDED_INTERVAL,
     out = replay_healthy(checks, interval, overlap, table or load_tail_table(), record.run.run_id, rate)
     out.steps = record.data.steps[-1] if record.data.steps else 0
     return out
-
-
-def closest_margin(replay: DetectorReplay) -> tuple[str, FamilyMargin]:
-    """The family and layer-level margin whose largest CUSUM came closest to (or past) its warning."""
-    return max(((f, m) for f, ms in replay.margins.items() for m in ms if m.level == "layer"),
-               key=lambda fm: fm[1].largest / fm[1].warning)
 
 
 def markdown(replays: Sequence[DetectorReplay]) -> str:

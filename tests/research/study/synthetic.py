@@ -73,54 +73,21 @@ def write_run(directory: str, metrics: list[dict], checks: list[dict]) -> tuple[
     return mpath, cpath
 
 
-def detector_checks(
-    steps: int,
-    seed: int,
-    interval: int = 20,
-    long_drop_at: Optional[int] = None,
-    short_drop_at: Optional[int] = None,
-    persistence_rise_at: Optional[int] = None,
-    short: bool = True,
-    persistence: bool = False,
-) -> list[dict]:
+def detector_checks(steps: int, seed: int, interval: int = 20) -> list[dict]:
     """Per-check detector streams of a 2-layer, 2-head toy recorded with ``--mechmon-short-window``:
-    Δ2 entropy per head (long window, and the short one unless ``short=False``), the persistence of
-    its leading direction per head (with ``persistence``; none at the first check, which has no
-    previous window), dW / dW_k, routing entropy and router similarity per layer. From the given
-    steps layer 1's long and short Δ2 entropies drop to 70 % and its persistence rises by 0.5."""
+    Δ2 entropy per head (long and short window), dW / dW_k, routing entropy and router similarity
+    per layer, all stationary."""
     rng = random.Random(seed)
     rows = []
     for t in range(interval, steps + 1, interval):
         sc: dict[str, float] = {}
-        hit = {name: at is not None and t >= at for name, at in
-               (("long", long_drop_at), ("short", short_drop_at), ("persistence", persistence_rise_at))}
         for layer in (1, 2):
             for head in range(2):
-                sc[f"mechmon/attn/delta2_entropy/layer_{layer}/head_{head}"] = (
-                    2.0 * (0.7 if hit["long"] and layer == 1 else 1.0) + rng.gauss(0, 0.02))
-                if short:
-                    sc[f"mechmon/attn/delta2_entropy_short/layer_{layer}/head_{head}"] = (
-                        1.5 * (0.7 if hit["short"] and layer == 1 else 1.0) + rng.gauss(0, 0.03))
-                if persistence and t > interval:
-                    rise = 0.5 if hit["persistence"] and layer == 1 else 0.0
-                    sc[f"mechmon/attn/delta2_short_persistence/layer_{layer}/head_{head}"] = min(
-                        1.0, 0.2 + rise + abs(rng.gauss(0, 0.05)))
+                sc[f"mechmon/attn/delta2_entropy/layer_{layer}/head_{head}"] = 2.0 + rng.gauss(0, 0.02)
+                sc[f"mechmon/attn/delta2_entropy_short/layer_{layer}/head_{head}"] = 1.5 + rng.gauss(0, 0.03)
             sc[f"mechmon/attn/dw_entropy/layer_{layer}"] = 3.0 + rng.gauss(0, 0.02)
             sc[f"mechmon/attn/dwk_entropy/layer_{layer}"] = 3.0 + rng.gauss(0, 0.02)
             sc[f"mechmon/router/token_entropy/layer_{layer}"] = 2.0 + rng.gauss(0, 0.02)
             sc[f"mechmon/router/weight_similarity/layer_{layer}"] = 0.01 + rng.gauss(0, 0.002)
         rows.append({"step": t, "scalars": sc})
     return rows
-
-
-def campaign_record(run_id: str, seed: int, steps: int, checks: list[dict], onset: Optional[int] = None):
-    """A finished campaign record (healthy without ``onset``, a 32-ulp FA fault with it)."""
-    from mechmon_megatron.research.study.analysis import RunData
-    from mechmon_megatron.research.study.campaign_data import CampaignRecord
-    from mechmon_megatron.research.study.long_plan import CampaignRun
-
-    run = CampaignRun(run_id=run_id, kind="healthy" if onset is None else "fault",
-                      scenario="clean" if onset is None else "fa", seed=seed, train_iters=steps, flags=(),
-                      fault_onset=onset, fa_strength=None if onset is None else 32.0)
-    return CampaignRecord(run=run, data=RunData.from_rows(metrics_rows(steps, seed=seed), checks),
-                          status={"state": "done"})

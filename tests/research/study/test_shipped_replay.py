@@ -1,5 +1,5 @@
-"""The shipped detector on the held-out healthy runs of round 7 (docs/RESULTS.md, "Healthy runs"):
-pure replays of the committed records, no training."""
+"""The shipped detector on the held-out runs of seeds 10-12 (10,000-step healthy runs and their FA
+forks; docs/RESULTS.md, "Healthy runs"): pure replays of the committed records, no training."""
 
 import os
 
@@ -8,23 +8,39 @@ import pytest
 from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE, thresholds_for_job
 from mechmon_megatron.detect.pooled_cusum import default_sequential_config
 from mechmon_megatron.research.study.campaign_records import load_records
+from mechmon_megatron.research.study.detector_report import CALIBRATION_RUNS
 from mechmon_megatron.research.study.pooled_replay import CORE_FAMILIES, fit_tail_table, proxy_shape, replay_pooled
-from mechmon_megatron.research.study.shipped_replay import fault_markdown, fault_row, markdown, replay_shipped
-from mechmon_megatron.research.study.short_window_study import CALIBRATION_RUNS, only_families
+from mechmon_megatron.research.study.shipped_replay import (
+    fault_markdown,
+    fault_row,
+    markdown,
+    only_families,
+    replay_shipped,
+)
+from tests.research.study.synthetic import detector_checks
 
 RECORDS = os.path.join(os.path.dirname(__file__), "..", "..", "..", "docs", "data", "short_window_study")
 HELD_OUT = ("healthy-cosine-seed10", "healthy-cosine-seed11", "healthy-cosine-seed12")
 
-pytestmark = pytest.mark.skipif(not os.path.isdir(RECORDS), reason="docs/data/short_window_study not present")
-
 
 @pytest.fixture(scope="module")
 def records():
+    if not os.path.isdir(RECORDS):
+        pytest.skip("docs/data/short_window_study not present")
     return load_records(RECORDS)
 
 
+def test_only_families_drops_exactly_the_other_detector_streams():
+    checks = [(row["step"], row["scalars"]) for row in detector_checks(200, seed=1)]
+    kept = only_families(checks, ("attn_delta2",))
+    names = set(kept[0][1])
+    assert all("delta2_entropy_short" not in n and "dw_entropy" not in n for n in names)
+    assert sum("delta2_entropy/layer_" in n for n in names) == 2 * 2  # layers x heads
+    assert len(kept) == len(checks)
+
+
 @pytest.mark.parametrize("interval", [20, 100])
-def test_the_shipped_detector_is_quiet_on_the_round7_healthy_runs(records, interval):
+def test_the_shipped_detector_is_quiet_on_the_held_out_healthy_runs(records, interval):
     for run_id in HELD_OUT:
         replay = replay_shipped(records[run_id], interval)
         assert replay.steps == 10_000
@@ -37,7 +53,7 @@ def test_seed11_is_a_near_miss_that_a_refit_on_other_realisations_turns_into_an_
     shipped = replay_shipped(records["healthy-cosine-seed11"], 20)
     layer = next(m for m in shipped.margins["router_entropy"] if m.level == "layer")
     assert layer.layer == 4 and layer.warning - 1.0 < layer.largest < layer.warning  # under it by < 1 unit
-    # The round-7 design `long`: the same families, tails fitted on this campaign's own seed 1-2 runs.
+    # The same families with tails refitted on this campaign's own seed 1-2 runs instead of the shipped ones.
     series = [only_families(records[r].data.checks, CORE_FAMILIES) for r in CALIBRATION_RUNS]
     table, _ = fit_tail_table({5: (20, series)})
     thresholds, account = thresholds_for_job(proxy_shape(series[0], 20, 5), DEFAULT_FALSE_ALARM_RATE, table)
@@ -58,7 +74,7 @@ def test_markdown_names_each_alarm_and_the_bad_interval_is_refused(records):
         replay_shipped(records["healthy-cosine-seed11"], 30)
 
 
-def test_the_shipped_detector_names_attention_first_on_the_round7_fa_runs(records):
+def test_the_shipped_detector_names_attention_first_on_the_held_out_fa_runs(records):
     fa = [r for r in records.values() if r.run.scenario == "fa" and r.run.seed in (10, 11, 12)]
     assert len(fa) == 12
     for record in fa:
