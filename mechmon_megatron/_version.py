@@ -2,7 +2,7 @@
 
 setup.py reads this file as text (no import, so building needs no torch), and the package
 re-exports it. 0.1: the per-stream detector; 0.2: the whole-job detector; 0.3: mechmon-scan,
-mechmon-plan and the Megatron-LM host (the release of round 3).
+mechmon-plan and the Megatron-LM host.
 
 Not to be confused with the format versions of saved state, which change only when that format
 does: ``session.session.STATE_VERSION`` (the checkpointed monitor state) and the detectors'

@@ -4,7 +4,8 @@ Every ``import`` statement counts, including those inside functions (lazy import
 
 * core (``monitors``, ``detect``): torch and the standard library only -- no host framework, and
   nothing of ``session``, ``cli``, ``adapters``, ``research`` or ``testing``;
-* ``session``: the core, no host framework, no ``cli`` / ``adapters`` / ``research`` / ``testing``;
+* ``session``: the core, no host framework, no ``cli`` / ``adapters`` / ``research`` / ``testing`` /
+  ``calibrate``;
 * ``cli``: the session (flags -> config), nothing else of the package;
 * an adapter folder never imports another adapter folder; the one declared exception is
   ``megatron_lm`` -> the public entry point of ``megatron_core`` (Megatron-LM trains
@@ -16,9 +17,16 @@ Every ``import`` statement counts, including those inside functions (lazy import
   no checkpoint library; only its format readers (``scan/readers``) may import a host framework or
   ``safetensors``, each only its own (the DeepSpeed reader never imports megatron, no reader
   imports an adapter, ``cli`` or another reader's library).
-* ``supervise`` (mechmon-supervise): the standard library, itself and three standard-library-only
-  session modules (``session.alert``, ``session.webhook``, ``session.rollback_reach``); torch only as the optional
-  ``torch.utils.tensorboard``; never torch.distributed, a host framework, ``research`` or ``testing``.
+* ``calibrate`` (mechmon-calibrate): the core, the session, itself, torch and the standard library;
+  ``tensorboard`` (reading a run's events) and ``tqdm`` (the progress bar) as optional imports;
+  never a host framework, ``research`` or ``testing`` (the studies import it, not the reverse).
+* ``supervise`` (mechmon-supervise): the standard library, itself, three standard-library-only
+  session modules (``session.alert``, ``session.webhook``, ``session.rollback_reach``) and the family table
+  (``detect.families``); torch only as the optional ``torch.utils.tensorboard``; never torch.distributed, a
+  host framework, ``research`` or ``testing``. Everything those imports load in turn (their packages'
+  ``__init__`` included) is standard library only.
+
+One more rule of the source: the detector's families are spelled in one place, ``detect/families.py``.
 """
 
 from __future__ import annotations
@@ -98,7 +106,7 @@ PRODUCT = [f for f in _files() if not _under(_module_name(f), _own("research"), 
 
 def test_the_tree_has_the_layers_this_test_knows():
     for sub in ("monitors", "detect", "session", "cli", "plan", "research", "testing", "scan", "scan/readers",
-                "supervise",
+                "supervise", "calibrate",
                 *(f"adapters/{a}" for a in ADAPTERS)):
         assert (PACKAGE / sub / "__init__.py").is_file(), sub
     assert {p.name for p in (PACKAGE / "adapters").iterdir() if p.is_dir() and p.name != "__pycache__"} == set(ADAPTERS)
@@ -114,7 +122,7 @@ def test_core_imports_torch_and_itself_only():
 
 
 def test_session_imports_no_host_and_no_outer_layer():
-    outer = (_own("cli"), _own("adapters"), _own("research"), _own("testing"))
+    outer = (_own("cli"), _own("adapters"), _own("research"), _own("testing"), _own("calibrate"))
     bad = _violations(_files("session"), lambda f, n: _under(n, *HOSTS) or _under(n, *outer))
     assert not bad, bad
 
@@ -155,23 +163,72 @@ def test_plan_imports_core_session_torch_and_stdlib_only():
     assert not bad, bad
 
 
+CALIBRATE_OPTIONAL = ("tensorboard", "tqdm")
+"""Third-party packages ``calibrate`` may import, each inside the function that needs it."""
+
+
+def test_calibrate_imports_core_session_torch_and_stdlib_only():
+    own = (_own("monitors"), _own("detect"), _own("session"), _own("calibrate"))
+
+    def forbidden(f: Path, name: str) -> bool:
+        if _under(name, PKG):
+            return not _under(name, *own) and name != PKG
+        top = name.split(".")[0]
+        return top not in ("torch", *CALIBRATE_OPTIONAL) and top not in sys.stdlib_module_names
+
+    bad = _violations(_files("calibrate"), forbidden)
+    assert not bad, bad
+
+
 SUPERVISE_SESSION_MODULES = (_own("session.alert"), _own("session.webhook"), _own("session.rollback_reach"))
 """The session modules the supervisor may import: each imports the standard library only."""
+SUPERVISE_OTHER_MODULES = (_own("detect.families"),)
+"""The family table (the remedy key of each detector family): standard library only."""
 
 
 def _stdlib_or_own(name: str, own: tuple[str, ...]) -> bool:
     if _under(name, PKG):
-        return _under(name, *own) or name in (PKG, _own("session"))
+        return _under(name, *own) or name in (PKG, _own("session"), _own("detect"))
     return name.split(".")[0] in sys.stdlib_module_names
 
 
-def test_supervise_imports_stdlib_and_three_session_modules_only():
-    own = (_own("supervise"), *SUPERVISE_SESSION_MODULES)
+def _module_file(name: str) -> Path | None:
+    """The source file of a module of the package (None: an attribute, not a module)."""
+    base = PACKAGE.parent / name.replace(".", "/")
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def _loaded_modules(roots: list[Path]) -> set[Path]:
+    """Every file of the package that importing ``roots`` loads: what they import, the packages
+    around each module (their ``__init__`` runs first), and so on."""
+    seen: set[Path] = set()
+    todo = list(roots)
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        module = _module_name(path)
+        parents = [module.rsplit(".", k)[0] for k in range(1, module.count(".") + 1)]
+        for name in [*_imports(path), *parents]:
+            found = _module_file(name) if _under(name, PKG) else None
+            if found is not None and found not in seen:
+                todo.append(found)
+    return seen
+
+
+def test_supervise_imports_stdlib_three_session_modules_and_the_family_table_only():
+    own = (_own("supervise"), *SUPERVISE_SESSION_MODULES, *SUPERVISE_OTHER_MODULES)
     bad = _violations(_files("supervise"),
                       lambda f, n: not (_stdlib_or_own(n, own) or _under(n, "torch.utils.tensorboard")))
     assert not bad, bad
-    session_modules = [PACKAGE / "session" / f"{m.rpartition('.')[2]}.py" for m in SUPERVISE_SESSION_MODULES]
-    bad = _violations(session_modules, lambda f, n: not _stdlib_or_own(n, SUPERVISE_SESSION_MODULES))
+    # What those modules load in turn (the detect package's __init__ with it) is standard library only.
+    loaded = _loaded_modules(_files("supervise")) - set(_files("supervise"))
+    assert {_module_name(f) for f in loaded} >= {*SUPERVISE_SESSION_MODULES, *SUPERVISE_OTHER_MODULES}
+    bad = _violations(sorted(loaded), lambda f, n: not (_under(n, PKG) or n.split(".")[0] in sys.stdlib_module_names))
     assert not bad, bad
 
 
@@ -223,7 +280,40 @@ def test_the_rules_catch_a_violation():
         f"{PKG}.adapters.deepspeed.sites", f"{PKG}.adapters.deepspeed.sites.x"]
 
 
-# ---------------------------------------------------------------------------- collectives (issue 21)
+# ---------------------------------------------------------------------------- the family table
+FAMILY_TABLE = PACKAGE / "detect" / "families.py"
+"""The one module that spells the detector's families (``FamilySpec``)."""
+
+
+def family_spellings(source: str, families: frozenset[str]) -> list[str]:
+    """``line: name`` of every string literal in ``source`` that is exactly a family name, when the
+    source spells two or more families (a list of them, a table keyed by them, an enum of them);
+    one name alone (a message, a single lookup) is not a list."""
+    hits = [(node.lineno, node.value) for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in families]
+    return [f"{line}: {name}" for line, name in sorted(hits)] if len({name for _, name in hits}) > 1 else []
+
+
+def test_only_the_family_table_spells_the_families():
+    """Every other module reads ``detect/families.py`` (the core detector, the session's inputs,
+    start-up lines and flags, scan, the supervisor's policy): none spells the list again."""
+    from mechmon_megatron.detect.families import FAMILY_NAMES
+
+    families = frozenset(FAMILY_NAMES)
+    bad = {_module_name(f): hits for f in PRODUCT if f != FAMILY_TABLE
+           for hits in [family_spellings(f.read_text(encoding="utf-8"), families)] if hits}
+    assert not bad, f"family names spelled outside {FAMILY_TABLE.name}; read the table instead: {bad}"
+    assert family_spellings(FAMILY_TABLE.read_text(encoding="utf-8"), families)
+
+
+def test_the_family_rule_catches_a_list():
+    families = frozenset({"attn_delta2", "router_weights"})
+    assert family_spellings('X = {"attn_delta2": 1, "router_weights": 2}\n', families) == [
+        "1: attn_delta2", "1: router_weights"]
+    assert family_spellings('def f(x):\n    return x == "attn_delta2"\n', families) == []
+
+
+# ---------------------------------------------------------------------------- collectives
 GUARD_MODULE = f"{PKG}.session.collective_guard"
 """The one module of the product that calls torch.distributed collectives (own groups, bounded wait)."""
 

@@ -204,7 +204,7 @@ def add_mechmon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "--mechmon-detector-calibration",
         type=str,
         default=None,
-        help="Null-tail table of your own healthy runs (tools/calibrate_detector.py); default: the shipped one.",
+        help="Null-tail table of your own healthy runs (mechmon-calibrate); default: the shipped one.",
     )
     add(
         "--mechmon-alert-webhook",

@@ -27,7 +27,7 @@ probability is split, ``p_cusum = (1 - SHEWHART_SHARE) p``, ``p_shewhart = SHEWH
 the union bound still sums to ``R`` over both tests (docs/METHOD.md section 7).
 
 The fitted tails of the shipped default (``null_tails.json``) were measured on the study's
-healthy runs (docs/RESULTS.md, "Calibration"); ``tools/calibrate_detector.py`` refits them on a
+healthy runs (docs/RESULTS.md, "Calibration"); ``mechmon-calibrate`` refits them on a
 user's own healthy runs. Pure Python.
 """
 
@@ -40,7 +40,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
-from mechmon_megatron.detect.pooled_cusum import FAMILY_DIRECTIONS, FamilyThresholds, Thresholds
+from mechmon_megatron.detect.families import FAMILY_BY_NAME, FAMILY_NAMES
+from mechmon_megatron.detect.pooled_cusum import FamilyThresholds, Thresholds
 
 __all__ = [
     "DEFAULT_FALSE_ALARM_RATE",
@@ -178,7 +179,7 @@ class TailTable:
         the largest measured (a marginal tail: not scaled; the note says so). KeyError when the
         table has none for the family (a calibration file without a ``shewhart`` section)."""
         if not self.shewhart:
-            raise KeyError("no Shewhart tails in this calibration (refit it with tools/calibrate_detector.py)")
+            raise KeyError("no Shewhart tails in this calibration (refit it with mechmon-calibrate)")
         measured = sorted(self.shewhart)
         usable = [m for m in measured if m >= overlap]
         m = usable[0] if usable else measured[-1]
@@ -237,7 +238,7 @@ class TailTable:
 
         Checked here, once, so that no check later divides by a zero ``theta`` or compares a
         string: ``{"tails": {overlap: {family: {level: tail}}}}`` with overlaps positive integers,
-        families of :data:`FAMILY_DIRECTIONS`, levels ``layer`` / ``family``, and every tail
+        families of ``detect/families.py``, levels ``layer`` / ``family``, and every tail
         with the fields of :class:`NullTail` (``theta`` and ``theta_hat`` finite and > 0, ``u0``
         finite and >= 0, ``log_p_u0`` finite and <= 0, counts integers >= 1). The optional
         ``"shewhart"`` section (the tails of the Shewhart limits, ``--mechmon-detector-shewhart``)
@@ -272,8 +273,8 @@ def _checked_tails(section: Mapping[Any, Any], name: str) -> dict[int, dict[str,
             raise ValueError(f"{name}[{key!r}] must be a non-empty object of families")
         tails[overlap] = {}
         for family, levels in families.items():
-            if family not in FAMILY_DIRECTIONS:
-                raise ValueError(f"{name}[{key!r}]: unknown family {family!r}; known: {sorted(FAMILY_DIRECTIONS)}")
+            if family not in FAMILY_BY_NAME:
+                raise ValueError(f"{name}[{key!r}]: unknown family {family!r}; known: {sorted(FAMILY_NAMES)}")
             if not isinstance(levels, Mapping) or "layer" not in levels:
                 raise ValueError(f"{name}[{key!r}][{family!r}] must be an object with a \"layer\" tail")
             tails[overlap][family] = {}

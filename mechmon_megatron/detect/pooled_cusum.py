@@ -1,8 +1,7 @@
 """The whole-job detector: standardised residuals, pooled per layer and per family, CUSUM.
 
 One check delivers an :class:`Observation` per monitored stream (e.g. one per attention head
-for ``attn_delta2``). Per family (``attn_delta2``, ``attn_dw``, ``router_entropy``,
-``router_weights``):
+for ``attn_delta2``). Per family (the table of ``detect/families.py``):
 
 1. **Residuals.** Each stream has a :class:`~mechmon_megatron.detect.robust_trend.RobustTrend`
    baseline; its standardised residual ``z`` (positive in the fault direction) is clipped to
@@ -39,14 +38,17 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
+from types import MappingProxyType
 from typing import Any, Literal, Optional
 
+from mechmon_megatron.detect.families import FAMILIES, ROUTER_WEIGHTS
 from mechmon_megatron.detect.misfit import MisfitCounter
 from mechmon_megatron.detect.robust_trend import Direction, RobustTrend, TrendConfig
 
 __all__ = [
     "FAMILY_DIRECTIONS",
     "OPTIONAL_FAMILIES",
+    "AlarmKind",
     "CheckResult",
     "FamilyThresholds",
     "Observation",
@@ -61,21 +63,16 @@ __all__ = [
 
 POOLED_STATE_VERSION = 1
 
-FAMILY_DIRECTIONS: dict[str, Direction] = {
-    "attn_delta2": "drop",
-    "attn_dw": "drop",
-    "router_entropy": "drop",
-    "router_weights": "rise",
-    "attn_delta2_short": "drop",
-}
-"""Fault direction of each family: entropies drop, router weight similarity rises.
-``attn_delta2_short`` (Delta2 over a window one interval long) is optional: a job has it only
-with ``--mechmon-short-window`` (``OPTIONAL_FAMILIES``)."""
+FAMILY_DIRECTIONS: Mapping[str, Direction] = MappingProxyType({spec.name: spec.direction for spec in FAMILIES})
+"""Fault direction of each family (read from ``detect/families.py``, where the families are declared):
+entropies drop, router weight similarity rises."""
 
-OPTIONAL_FAMILIES: tuple[str, ...] = ("attn_delta2_short",)
-"""Families a calibration file may lack: only a job that asks for one needs its tails."""
+OPTIONAL_FAMILIES: tuple[str, ...] = tuple(spec.name for spec in FAMILIES if spec.optional)
+"""Families a calibration file may lack (``FamilySpec.optional``): only a job that asks for one needs its tails."""
 
 Level = Literal["layer", "family"]
+AlarmKind = Literal["cusum", "shewhart", "limit", "nonfinite"]
+"""The test that fired: a pooled CUSUM, its Shewhart option, a stream's absolute limit, a non-finite value."""
 
 
 def trimmed_mean(values: Iterable[float], trim: float) -> float:
@@ -177,7 +174,7 @@ def default_sequential_config(interval: int) -> SequentialConfig:
     trend = TrendConfig(window=max(50, warmup), warmup=warmup, min_trend=warmup)
     return SequentialConfig(
         trend=trend,
-        family_trends={"router_weights": replace(trend, abs_scale_floor=0.005)},
+        family_trends={ROUTER_WEIGHTS.name: replace(trend, abs_scale_floor=0.005)},
     )
 
 
@@ -198,12 +195,13 @@ class Observation:
 
 @dataclass(frozen=True, slots=True)
 class PooledAlarm:
-    """A fired alarm (``kind``: ``cusum``, ``limit`` or ``nonfinite``)."""
+    """A fired alarm: the detector's own result (the session turns it into its ``Alert`` record in
+    one place, ``session/detector_setup.py: alert_of``)."""
 
     step: int
     family: str
     level: Level
-    kind: str
+    kind: AlarmKind
     layers: tuple[int, ...]
     """The layer of a layer-level alarm; for a family alarm the layers that carry it."""
     members: tuple[str, ...]
@@ -245,7 +243,7 @@ class _Cusum:
         self.value = max(0.0, self.value + u - reference)
 
 
-def _stream_alarm(step: int, obs: Observation, kind: str, statistic: float, threshold: float,
+def _stream_alarm(step: int, obs: Observation, kind: AlarmKind, statistic: float, threshold: float,
                   reason: str, change_step: Optional[int] = None) -> PooledAlarm:
     """A layer-level alarm raised by one stream alone (a non-finite value, the absolute limit)."""
     return PooledAlarm(

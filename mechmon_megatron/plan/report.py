@@ -42,7 +42,7 @@ from mechmon_megatron.session.config import MechmonConfig
 from mechmon_megatron.session.rollback_reach import MEASURED_LAG_CHECKS, change_point_lag, reach
 
 TARGET_SHARE = 0.01
-"""Issue 11's target: the check, amortised over the interval, at most 1 % of the step time."""
+"""The overhead target: the check, amortised over the interval, at most 1 % of the step time."""
 _DEFAULTS = MechmonConfig()
 WEIGHT_BYTES = {"main": 4, "model": 2}
 WEIGHT_DTYPES = {"main": torch.float32, "model": torch.bfloat16}

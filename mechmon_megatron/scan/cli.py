@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="expected false alarms per 10^6 training steps for the whole scan "
                         f"(default {DEFAULT_FALSE_ALARM_RATE:g})")
     p.add_argument("--detector-calibration", default=None,
-                   help="null-tail JSON of your healthy runs (tools/calibrate_detector.py); default: shipped")
+                   help="null-tail JSON of your healthy runs (mechmon-calibrate); default: shipped")
     p.add_argument("--alpha", type=float, default=2.0, help="spectral-entropy exponent (default 2)")
     p.add_argument("--qk-method", choices=["gram", "compressed"], default="gram")
     p.add_argument("--num-attention-heads", type=int, default=None,

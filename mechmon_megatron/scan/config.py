@@ -50,7 +50,7 @@ class ScanConfig:
 
     detector_calibration: Optional[str] = None
     """A null-tail table of your own healthy runs (``--detector-calibration``,
-    ``tools/calibrate_detector.py``); default: the shipped table."""
+    ``mechmon-calibrate``); default: the shipped table."""
 
     alpha: float = 2.0
     """Spectral-entropy exponent (``--alpha``), as ``--mechmon-alpha``."""
@@ -105,7 +105,7 @@ class ScanConfig:
         if self.detector_calibration is not None and not os.path.isfile(self.detector_calibration):
             raise ScanInputError(
                 f"--detector-calibration {self.detector_calibration!r} is not a file "
-                "(expected a null-tail JSON written by tools/calibrate_detector.py)."
+                "(expected a null-tail JSON written by mechmon-calibrate)."
             )
         # The values the online session shares are checked by the session's own rules: the scan
         # and the trainer accept and refuse the same --alpha, rate and kernel.

@@ -5,56 +5,93 @@ The detector is the session's (``session/detector_setup.py``): a
 ``default_sequential_config(interval)`` and thresholds from ``--false-alarm-rate`` through the
 null tails (shipped or ``--detector-calibration``) and the union bound over the scan's tests, as
 if the run had been monitored online with ``--mechmon-interval`` = the check interval and
-``--mechmon-delta`` = the window (docs/SCAN.md, "Detector"). Families: ``attn_delta2``,
-``attn_dw`` and, for MoE layers, ``router_weights`` (``router_entropy`` needs tokens).
+``--mechmon-delta`` = the window (docs/SCAN.md, "Detector"). Families: those a checkpoint
+series can feed (``FamilySpec.from_checkpoints``, ``detect/families.py``: the attention families
+and, for MoE layers, the router weights; the routing entropy needs tokens).
 
-An anomaly is reported as the interval ``(after_iteration, before_iteration]``: the detector
-fired at the check of ``before_iteration``; the CUSUM's last zero before it is its estimate of
-the change point, so the shift began after ``after_iteration``, the earlier checkpoint of the
-first pair after that zero.
+An anomaly is the session's :class:`~mechmon_megatron.session.alert.Alert`, located in the
+interval ``(after_iteration, before_iteration]``: the detector fired at the check of
+``before_iteration``; the CUSUM's last zero before it is its estimate of the change point, so the
+shift began after ``after_iteration``, the earlier checkpoint of the first pair after that zero.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from mechmon_megatron.detect.families import FAMILIES
 from mechmon_megatron.detect.pooled_cusum import PooledAlarm
 from mechmon_megatron.scan.errors import ScanInputError
 from mechmon_megatron.scan.pairs import PairRecord
 from mechmon_megatron.scan.schedule import ScanPlan
 from mechmon_megatron.session import names
+from mechmon_megatron.session.alert import Alert
 from mechmon_megatron.session.config import MechmonConfig
 from mechmon_megatron.session.detector_inputs import observation
 from mechmon_megatron.session.detector_setup import alert_of, build_detector, job_shape, load_detector_design
 
-__all__ = ["Anomaly", "CheckValues", "ReplayResult", "replay"]
+__all__ = ["Anomaly", "CheckValues", "ReplayResult", "replay", "scan_families"]
+
+
+def _finite_or_none(value: Optional[float]) -> Optional[float]:
+    return None if value is None or not math.isfinite(value) else value
 
 
 @dataclass(kw_only=True, frozen=True)
 class Anomaly:
-    """One fired alarm, located in checkpoint iterations."""
+    """One fired alarm (the session's alert record), located in checkpoint iterations."""
 
     after_iteration: int
     before_iteration: int
-    family: str
-    layer: Optional[int]
-    heads: list[int]
-    level: str
-    kind: str
-    layers: list[int]
-    statistic: float
-    threshold: Optional[float]
-    reason: str
+    alert: Alert
+
+    @property
+    def family(self) -> str:
+        return self.alert.family
+
+    @property
+    def layer(self) -> Optional[int]:
+        return self.alert.layer
+
+    @property
+    def heads(self) -> list[int]:
+        return list(self.alert.heads)
+
+    @property
+    def level(self) -> str:
+        return self.alert.level
+
+    @property
+    def kind(self) -> str:
+        return self.alert.kind
+
+    @property
+    def layers(self) -> list[int]:
+        return list(self.alert.layers)
+
+    @property
+    def statistic(self) -> float:
+        """The statistic that fired (the alert's ``value``)."""
+        return self.alert.value
+
+    @property
+    def threshold(self) -> Optional[float]:
+        return self.alert.threshold
+
+    @property
+    def reason(self) -> str:
+        return self.alert.reason
 
     def to_json(self) -> dict[str, Any]:
-        out = dict(self.__dict__)
-        for key in ("statistic", "threshold"):
-            value = out[key]
-            out[key] = None if value is None or not math.isfinite(value) else value
-        return out
+        """The entry of ``summary.json``'s ``anomalies`` (non-finite numbers as null)."""
+        return {"after_iteration": self.after_iteration, "before_iteration": self.before_iteration,
+                "family": self.family, "layer": self.layer, "heads": self.heads, "level": self.level,
+                "kind": self.kind, "layers": self.layers, "statistic": _finite_or_none(self.statistic),
+                "threshold": _finite_or_none(self.threshold), "reason": self.reason}
 
     def sentence(self) -> str:
         heads = f", heads {', '.join(str(h) for h in self.heads)}" if self.heads else ""
@@ -91,6 +128,16 @@ def session_config(plan: ScanPlan, false_alarm_rate: float, calibration: Optiona
                          detector_calibration=calibration, per_head_scalars=True)
 
 
+def scan_families(attn_layers: Sequence[int], router_layers: Sequence[int]) -> dict[str, list[int]]:
+    """Family -> layers, for the families a checkpoint series feeds (``FamilySpec.from_checkpoints``):
+    the attention ones over ``attn_layers``, the router ones over ``router_layers`` when there are any."""
+    out: dict[str, list[int]] = {}
+    for spec in FAMILIES:
+        if spec.from_checkpoints and (spec.monitor == "attn" or router_layers):
+            out[spec.name] = list(attn_layers if spec.monitor == "attn" else router_layers)
+    return out
+
+
 def _after_iteration(alarm: PooledAlarm, plan: ScanPlan) -> int:
     """The earlier checkpoint of the first judged pair after the CUSUM's last zero."""
     checks = [plan.iterations(p) for p in plan.pairs]
@@ -111,10 +158,8 @@ def replay(
         design, table = load_detector_design(config)
     except ValueError as exc:
         raise ScanInputError(str(exc).replace("--mechmon-detector-calibration", "--detector-calibration")) from None
-    shape = {"attn_delta2": list(attn_layers), "attn_dw": list(attn_layers)}
-    if router_layers:
-        shape["router_weights"] = list(router_layers)
-    detector, account = build_detector(config, job_shape(config, [shape]), design, table)
+    detector, account = build_detector(config, job_shape(config, [scan_families(attn_layers, router_layers)]),
+                                       design, table)
     account["design"] = {"warmup_checks": design.trend.warmup, "baseline_window_checks": design.trend.window,
                          "reference": design.reference, "interval_steps": plan.interval, "delta_steps": plan.delta}
     checks: list[CheckValues] = []
@@ -126,9 +171,10 @@ def replay(
         for record in layer_records:
             values.scalars.update(record.scalars)
             for message in record.nonfinite:
-                anomalies.append(Anomaly(after_iteration=earlier, before_iteration=step, family="nonfinite",
-                                         layer=record.layer, heads=[], level="layer", kind="nonfinite",
-                                         layers=[record.layer], statistic=math.nan, threshold=None, reason=message))
+                alert = Alert(iteration=step, family="nonfinite", stream="weights", layer=record.layer, head=None,
+                              value=math.nan, baseline=None, threshold=None, first_warning_step=step,
+                              reason=message, level="layer", kind="nonfinite", layers=(record.layer,))
+                anomalies.append(Anomaly(after_iteration=earlier, before_iteration=step, alert=alert))
         observations = [
             obs for record in layer_records for stream in record.stream_records()
             if (obs := observation(stream.name, stream.value, stream.limit, stream.limit_reason)) is not None
@@ -136,12 +182,11 @@ def replay(
         result = detector.update(step, observations)
         for alarm in result.alarms:
             alert = alert_of(alarm, config, design)
-            anomalies.append(Anomaly(
-                after_iteration=_after_iteration(alarm, plan), before_iteration=step, family=alarm.family,
-                layer=alert.layer, heads=list(alert.heads), level=alarm.level, kind=alarm.kind,
-                layers=list(alarm.layers), statistic=alarm.statistic, threshold=alarm.threshold,
-                reason=alert.reason.replace("--mechmon-false-alarm-rate", "--false-alarm-rate"),
-            ))
+            # The scan's own flag in the reason (its users never typed the session's).
+            alert = dataclasses.replace(alert, reason=alert.reason.replace("--mechmon-false-alarm-rate",
+                                                                           "--false-alarm-rate"))
+            anomalies.append(Anomaly(after_iteration=_after_iteration(alarm, plan), before_iteration=step,
+                                     alert=alert))
         values.scalars.update({f"{names.DETECT_PREFIX}/{k}": v for k, v in result.statistics.items()})
         values.scalars[names.ALARM] = 1.0 if any(a.before_iteration == step for a in anomalies) else 0.0
         values.scalars[names.WARNINGS] = float(len(result.warnings))

@@ -28,7 +28,7 @@ from mechmon_megatron.scan.outputs.staging import Staging
 from mechmon_megatron.scan.outputs.tensorboard import write_jsonl, write_tensorboard
 from mechmon_megatron.scan.pairs import PairRecord, compute_pair
 from mechmon_megatron.scan.readers import CheckpointReader, HeadHints, LayerWeights, open_reader
-from mechmon_megatron.scan.replay import ReplayResult, replay, session_config
+from mechmon_megatron.scan.replay import ReplayResult, replay, scan_families, session_config
 from mechmon_megatron.scan.schedule import ScanPlan, make_plan
 from mechmon_megatron.scan.series import discover
 from mechmon_megatron.session.startup import check_detector
@@ -215,9 +215,7 @@ def _check_detector(config: ScanConfig, plan: ScanPlan, layers: list[int], route
     window and layers): a rate or calibration that cannot give thresholds stops here, before
     anything is computed or written."""
     online = session_config(plan, config.false_alarm_rate, config.detector_calibration)
-    shape = {"attn_delta2": len(layers), "attn_dw": len(layers)}
-    if routers:
-        shape["router_weights"] = len(routers)
+    shape = {family: len(numbers) for family, numbers in scan_families(layers, routers).items()}
     try:
         check_detector(online, shape)
     except ValueError as exc:

@@ -12,6 +12,7 @@ from typing import Literal, Optional
 import torch
 from torch import Tensor
 
+from mechmon_megatron.detect.families import ATTN_DELTA2, ATTN_DELTA2_SHORT, ATTN_DW
 from mechmon_megatron.monitors.leading_direction import delta2_spectrum_and_directions, direction_persistence
 from mechmon_megatron.monitors.norm_fold import NormFold, fold_norm
 from mechmon_megatron.monitors.qk_increment import qk_increment_singular_values
@@ -23,11 +24,7 @@ from mechmon_megatron.monitors.update_spectrum import (
 )
 from mechmon_megatron.session import names
 from mechmon_megatron.session.host import FullQK, QKWeights
-from mechmon_megatron.session.records import CheckOutput, Family, NonFinite, Partial, Stream
-
-ATTN_DELTA2 = Family.ATTN_DELTA2
-ATTN_DW = Family.ATTN_DW
-ATTN_DELTA2_SHORT = Family.ATTN_DELTA2_SHORT
+from mechmon_megatron.session.records import CheckOutput, NonFinite, Partial, Stream
 
 
 def _finite(*tensors: torch.Tensor) -> bool:
@@ -108,8 +105,8 @@ def check_heads(
         value = entropy[i] if valid[i] else float("nan")
         if not valid[i] and fro[i] == 0.0:
             continue  # no update in the window (e.g. frozen layer): nothing to judge
-        streams.append(Stream(name=names.attn("delta2_entropy", layer_number, head), family=ATTN_DELTA2, value=value,
-                              layer_number=layer_number, member=f"head_{head}", head=head))
+        streams.append(Stream(name=names.attn("delta2_entropy", layer_number, head), family=ATTN_DELTA2.name,
+                              value=value, layer_number=layer_number, member=f"head_{head}", head=head))
         if per_head_scalars:
             scalars[names.attn("delta2_entropy", layer_number, head)] = Partial("value", value)
     return CheckOutput(scalars=scalars, streams=streams)
@@ -160,8 +157,9 @@ def check_heads_short(
     for i in moved:
         value = entropy[i] if valid[i] else float("nan")
         head = heads[i]
-        streams.append(Stream(name=names.attn("delta2_entropy_short", layer_number, head), family=ATTN_DELTA2_SHORT,
-                              value=value, layer_number=layer_number, member=f"head_{head}", head=head))
+        streams.append(Stream(name=names.attn("delta2_entropy_short", layer_number, head),
+                              family=ATTN_DELTA2_SHORT.name, value=value, layer_number=layer_number,
+                              member=f"head_{head}", head=head))
         if per_head_scalars:
             scalars[names.attn("delta2_entropy_short", layer_number, head)] = Partial("value", value)
     if persistence and moved:
@@ -215,6 +213,6 @@ def check_full(
     streams: list[Stream] = []
     for metric, value, valid in (("dw_entropy", hq, valid_q), ("dwk_entropy", hk, valid_k)):
         if valid:
-            streams.append(Stream(name=names.attn(metric, layer_number), family=ATTN_DW, value=value,
+            streams.append(Stream(name=names.attn(metric, layer_number), family=ATTN_DW.name, value=value,
                                   layer_number=layer_number, member=metric))
     return CheckOutput(scalars=scalars, streams=streams)

@@ -122,7 +122,7 @@ class MechmonConfig:
     union bound over the job's tests and checks (docs/METHOD.md, "The whole-job detector")."""
 
     detector_calibration: Optional[str] = None
-    """A null-tail table of your own healthy runs (``tools/calibrate_detector.py``); default: the
+    """A null-tail table of your own healthy runs (``mechmon-calibrate``); default: the
     table shipped with the package (``mechmon_megatron/detect/null_tails.json``)."""
 
     alert_webhook: Optional[str] = None
@@ -131,7 +131,7 @@ class MechmonConfig:
     detector_shewhart: bool = False
     """Add a Shewhart limit beside every CUSUM (one check far beyond the null tail alarms at
     once; the union bound splits each test's probability between the two). Off by default until
-    it is confirmed on held-out fault seeds (docs/RESULTS.md, issue 19 design study). Needs a
+    it is confirmed on held-out fault seeds (docs/RESULTS.md, "Design study for a faster detector"). Needs a
     calibration with a ``shewhart`` section (the shipped one has it)."""
 
     short_window: bool = False
@@ -215,7 +215,7 @@ class MechmonConfig:
             _require(
                 os.path.isfile(self.detector_calibration),
                 "detector-calibration",
-                f"must be a null-tail JSON file (tools/calibrate_detector.py), got {self.detector_calibration!r}",
+                f"must be a null-tail JSON file (mechmon-calibrate), got {self.detector_calibration!r}",
             )
 
         if self.alert_webhook is not None:

@@ -1,24 +1,15 @@
 """The detector's inputs, from the session's streams online or from recorded scalars offline.
 
-Online, a stream names its family, layer and member itself (:func:`stream_observation`, typed:
-``records.Family``). Offline, a replay of ``mechmon_scalars.jsonl`` (with
-``--mechmon-per-head-scalars``) has names only: :func:`observation` parses them back
-(the table below), and the same observation results, so the replay feeds the detector exactly
-what the session fed it online (``tests/research/study/test_online_replay.py``).
+Online, a stream names its family, layer and member itself (:func:`stream_observation`).
+Offline, a replay of ``mechmon_scalars.jsonl`` (with ``--mechmon-per-head-scalars``) has names
+only: :func:`observation` parses them back, and the same observation results, so the replay feeds
+the detector exactly what the session fed it online (``tests/research/study/test_online_replay.py``).
 
-=================  ====================================================  ===================
-family             scalar (stream) name                                   member
-=================  ====================================================  ===================
-``attn_delta2``    ``mechmon/attn/delta2_entropy/layer_L/head_H``        ``head_H``
-``attn_dw``        ``mechmon/attn/dw_entropy/layer_L``, ``dwk_entropy``   ``dw_entropy`` ...
-``router_entropy`` ``mechmon/router/token_entropy/layer_L``              ``token_entropy``
-``router_weights`` ``mechmon/router/weight_similarity/layer_L``          ``weight_similarity``
-``attn_delta2_short`` ``mechmon/attn/delta2_entropy_short/layer_L/head_H`` ``head_H``
-=================  ====================================================  ===================
-
-(``attn_delta2_short``: only with ``--mechmon-short-window``.)
-
-The routing entropy's absolute limit is ``mechmon/router/token_entropy_floor/layer_L``.
+The names come from the family table (``detect/families.py``): a family reads
+``mechmon/<monitor>/<scalar>/layer_L`` for each of its ``scalars`` (member: the scalar), or
+``mechmon/<monitor>/<scalar>/layer_L/head_H`` when it is ``per_head`` (member: ``head_H``); a
+family with a ``limit_scalar`` (the routing entropy) finds its absolute limit in
+``mechmon/<monitor>/<limit_scalar>/layer_L``.
 """
 
 from __future__ import annotations
@@ -27,21 +18,22 @@ import re
 from collections.abc import Mapping
 from typing import Optional
 
+from mechmon_megatron.detect.families import FAMILIES, FAMILY_BY_NAME, FamilySpec
 from mechmon_megatron.detect.pooled_cusum import Observation
 from mechmon_megatron.session import names
-from mechmon_megatron.session.records import Family, Stream
-
-FAMILIES = frozenset(f.value for f in Family)
+from mechmon_megatron.session.records import Stream
 
 __all__ = ["observation", "observations_from_scalars", "stream_family", "stream_observation"]
 
-_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
-    (re.compile(rf"^{names.PREFIX}/attn/(delta2_entropy)/layer_(\d+)/(head_\d+)$"), "attn_delta2"),
-    (re.compile(rf"^{names.PREFIX}/attn/(dwk?_entropy)/layer_(\d+)$"), "attn_dw"),
-    (re.compile(rf"^{names.PREFIX}/router/(token_entropy)/layer_(\d+)$"), "router_entropy"),
-    (re.compile(rf"^{names.PREFIX}/router/(weight_similarity)/layer_(\d+)$"), "router_weights"),
-    (re.compile(rf"^{names.PREFIX}/attn/(delta2_entropy_short)/layer_(\d+)/(head_\d+)$"), "attn_delta2_short"),
-)
+
+def _pattern(spec: FamilySpec) -> re.Pattern[str]:
+    """The stream names of one family: groups (scalar, layer[, head member])."""
+    scalars = "|".join(re.escape(s) for s in spec.scalars)
+    head = r"/(head_\d+)" if spec.per_head else ""
+    return re.compile(rf"^{names.PREFIX}/{spec.monitor}/({scalars})/layer_(\d+){head}$")
+
+
+_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = tuple((_pattern(spec), spec.name) for spec in FAMILIES)
 
 
 def _parse(name: str) -> Optional[tuple[str, int, str]]:
@@ -78,8 +70,8 @@ def stream_observation(stream: Stream) -> Optional[Observation]:
     a record without a member (written before it existed) falls back to its name."""
     if not stream.member:
         return observation(stream.name, stream.value, stream.limit, stream.limit_reason)
-    family = stream.family.value if isinstance(stream.family, Family) else str(stream.family)
-    if family not in FAMILIES:
+    family = str(stream.family)
+    if family not in FAMILY_BY_NAME:
         return None
     return Observation(family=family, layer=int(stream.layer_number), member=stream.member, value=float(stream.value),
                        limit=stream.limit, limit_reason=stream.limit_reason)
@@ -89,10 +81,13 @@ def observations_from_scalars(scalars: Mapping[str, float]) -> list[Observation]
     """Every detector observation in one check's recorded scalars (sorted by name)."""
     out = []
     for name in sorted(scalars):
+        parsed = _parse(name)
+        if parsed is None:
+            continue
+        family, layer, member = parsed
+        spec = FAMILY_BY_NAME[family]
         limit = None
-        if name.startswith(f"{names.PREFIX}/router/token_entropy/"):
-            limit = scalars.get(name.replace("/token_entropy/", "/token_entropy_floor/"))
-        obs = observation(name, scalars[name], limit=limit)
-        if obs is not None:
-            out.append(obs)
+        if spec.limit_scalar is not None:
+            limit = scalars.get(f"{names.PREFIX}/{spec.monitor}/{spec.limit_scalar}/layer_{layer}")
+        out.append(Observation(family=family, layer=layer, member=member, value=float(scalars[name]), limit=limit))
     return out

@@ -15,11 +15,10 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional
 
+from mechmon_megatron.detect.families import FAMILIES, FamilySpec, family_spec
 from mechmon_megatron.detect.null_model import JobShape, TailTable, load_tail_table, thresholds_for_job
 from mechmon_megatron.detect.pooled_cusum import (
-    FAMILY_DIRECTIONS,
     MIN_WARMUP_CHECKS,
-    OPTIONAL_FAMILIES,
     WARMUP_STEPS,
     PooledAlarm,
     PooledCusumDetector,
@@ -35,23 +34,20 @@ if TYPE_CHECKING:  # annotations only: the start-up check (session/startup.py) r
 logger = logging.getLogger(__name__)
 
 
+def switched_on(config: MechmonConfig, spec: FamilySpec) -> bool:
+    """Whether the configuration's switch of the family (``FamilySpec.switch``) is on; a family
+    without a switch is on whenever its monitor has a layer."""
+    return spec.switch is None or bool(getattr(config, spec.switch))
+
+
 def local_layers(
     config: MechmonConfig, attention_sites: Sequence[AttentionSite], router_sites: Sequence[RouterSite]
 ) -> dict[str, list[int]]:
     """Family -> global layer numbers this rank's sites feed (sorted)."""
-    attn = sorted({s.layer_number for s in attention_sites})
-    routers = sorted({s.layer_number for s in router_sites})
-    out: dict[str, list[int]] = {}
-    if attn:
-        out["attn_delta2"] = attn
-        if config.full_matrix_dw:
-            out["attn_dw"] = attn
-        if config.short_window:
-            out["attn_delta2_short"] = attn
-    if routers:
-        out["router_entropy"] = routers
-        out["router_weights"] = routers
-    return out
+    by_monitor = {"attn": sorted({s.layer_number for s in attention_sites}),
+                  "router": sorted({s.layer_number for s in router_sites})}
+    return {spec.name: by_monitor[spec.monitor] for spec in FAMILIES
+            if by_monitor[spec.monitor] and switched_on(config, spec)}
 
 
 def job_shape(config: MechmonConfig, per_rank: Iterable[Mapping[str, Sequence[int]]]) -> JobShape:
@@ -65,32 +61,24 @@ def job_shape(config: MechmonConfig, per_rank: Iterable[Mapping[str, Sequence[in
 
 
 def detector_families(config: MechmonConfig) -> tuple[str, ...]:
-    """The detector families this configuration can feed: the four core families, plus
-    ``attn_delta2_short`` under ``--mechmon-short-window`` (with the attention monitors)."""
-    core = tuple(f for f in FAMILY_DIRECTIONS if f not in OPTIONAL_FAMILIES)
-    short = ("attn_delta2_short",) if config.short_window and "attn" in config.monitors else ()
-    return core + short
-
-
-_OPTION_FLAGS = {"attn_delta2_short": "--mechmon-short-window"}
+    """The detector families this configuration can feed: every family that is not optional
+    (the shipped calibration covers them), plus each optional one whose flag is on
+    (``--mechmon-short-window``) when its monitor is (``FamilySpec.optional``)."""
+    return tuple(spec.name for spec in FAMILIES
+                 if not spec.optional or (switched_on(config, spec) and spec.monitor in config.monitors))
 
 
 def families_without_signal(config: MechmonConfig, shape: JobShape) -> dict[str, str]:
     """Families this configuration could feed that no layer of the job feeds, with why: they are
     left out of the union bound (``JobShape`` counts only the families it has), and the session
     says so once at start-up rather than judging a silent zero."""
-    why = {
-        "attn_delta2": "no attention layer is monitored (--mechmon-monitors without attn, or none found)",
-        "attn_dw": "no attention layer is monitored" if config.full_matrix_dw else "--mechmon-no-full-matrix-dw",
-        "attn_delta2_short": "no attention layer is monitored",
-        "router_entropy": "no MoE router is monitored (a dense model, or --mechmon-monitors without router)",
-        "router_weights": "no MoE router is monitored (a dense model, or --mechmon-monitors without router)",
-    }
-    return {f: why.get(f, "no layer feeds it") for f in detector_families(config) if not shape.layers.get(f)}
-
-
-_FAMILY_LABELS = {"attn_delta2": "Delta2", "attn_dw": "dW", "attn_delta2_short": "short-window Delta2",
-                  "router_entropy": "routers", "router_weights": "routers"}
+    out: dict[str, str] = {}
+    for family in detector_families(config):
+        if not shape.layers.get(family):
+            spec = family_spec(family)
+            # A family its flag switched off says so; otherwise nothing of its monitor was found.
+            out[family] = spec.flag if spec.flag is not None and not switched_on(config, spec) else spec.no_signal
+    return out
 
 
 def fed_families(config: MechmonConfig, layers: Mapping[str, Sequence[int]]) -> tuple[str, ...]:
@@ -99,9 +87,7 @@ def fed_families(config: MechmonConfig, layers: Mapping[str, Sequence[int]]) -> 
     families = tuple(f for f in detector_families(config) if layers.get(f))
     if families:
         return families
-    wanted = {"attn": ("attn_",), "router": ("router_",)}
-    prefixes = tuple(p for m in config.monitors for p in wanted[m])
-    return tuple(f for f in detector_families(config) if f.startswith(prefixes))
+    return tuple(f for f in detector_families(config) if family_spec(f).monitor in config.monitors)
 
 
 def first_value_step(config: MechmonConfig, family: str, start: int) -> int:
@@ -110,12 +96,7 @@ def first_value_step(config: MechmonConfig, family: str, start: int) -> int:
     snapshot one window old (``delta``; ``interval`` for the short window) that was taken at or
     after ``start``: snapshots are not kept in checkpoints, so a restart waits one window."""
     interval = config.interval
-    if family.startswith("router"):
-        window = 1
-    elif family == "attn_delta2_short":
-        window = interval
-    else:
-        window = config.delta
+    window = {"check": 1, "interval": interval, "delta": config.delta}[family_spec(family).window]
     return interval * math.ceil((start + window) / interval)
 
 
@@ -154,16 +135,16 @@ def arming_line(config: MechmonConfig, design: SequentialConfig, start: int, fam
     step = min(steps.values())
     warmup = design.trend_of(families[0]).warmup
     interval = config.interval
-    groups: dict[tuple[int, bool, int], list[str]] = {}
-    for family in families:
-        key = (first_value_step(config, family, start), family.startswith("router"), int(held.get(family, 0)))
-        label = _FAMILY_LABELS.get(family, family)
-        if label not in groups.setdefault(key, []):
-            groups[key].append(label)
+    specs = [family_spec(f) for f in families]
+    groups: dict[tuple[int, bool, int], list[FamilySpec]] = {}
+    for spec in specs:
+        key = (first_value_step(config, spec.name, start), spec.monitor == "router", int(held.get(spec.name, 0)))
+        groups.setdefault(key, []).append(spec)
     firsts = []
-    for (first, _router, kept), labels in sorted(groups.items()):
+    for (first, _router, kept), group in sorted(groups.items(), key=lambda item: item[0]):
+        labels = list(dict.fromkeys(spec.label for spec in group))  # families that share a label: once
         notes = []
-        if any(label in ("Delta2", "dW") for label in labels):
+        if any(spec.window == "delta" for spec in group):
             notes.append(f"a snapshot --mechmon-delta {config.delta} steps old")
         if kept:
             notes.append("baseline from the checkpoint" if kept >= warmup else f"{kept} values from the checkpoint")
@@ -172,7 +153,7 @@ def arming_line(config: MechmonConfig, design: SequentialConfig, start: int, fam
            f"{interval}, at least {MIN_WARMUP_CHECKS} checks) before the detector judges it; first values: "
            f"{', '.join(firsts)}; "
            f"until then no mechmon/detect/* scalars, and only non-finite values"
-           f"{' and the routing-entropy floor' if any(f.startswith('router') for f in families) else ''} alarm")
+           f"{' and the routing-entropy floor' if any(spec.monitor == 'router' for spec in specs) else ''} alarm")
     return step, why
 
 
@@ -186,19 +167,20 @@ def load_detector_design(config: MechmonConfig) -> tuple[SequentialConfig, TailT
     try:
         table = load_tail_table(config.detector_calibration)
         for family in families:  # every family must have a tail at this overlap
-            if family in OPTIONAL_FAMILIES:
+            if family_spec(family).optional:
                 continue  # checked below, with the option's own message
             table.tail(config.overlap, family, "layer")
     except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
         raise ValueError(f"--mechmon-detector-calibration: no usable null-tail table in {source}: {exc}") from None
-    for family in (f for f in families if f in OPTIONAL_FAMILIES):
+    for family in (f for f in families if family_spec(f).optional):
+        flag = family_spec(family).flag
         try:
             table.tail(config.overlap, family, "layer")
         except KeyError:
             raise ValueError(
-                f"{_OPTION_FLAGS[family]}: the calibration {source} has no null tail for detector family "
-                f"{family!r}; fit one with tools/calibrate_detector.py on healthy runs recorded with "
-                f"{_OPTION_FLAGS[family]} and pass it with --mechmon-detector-calibration, or drop the flag"
+                f"{flag}: the calibration {source} has no null tail for detector family "
+                f"{family!r}; fit one with mechmon-calibrate on healthy runs recorded with "
+                f"{flag} and pass it with --mechmon-detector-calibration, or drop the flag"
             ) from None
     if design.shewhart:
         try:
@@ -207,7 +189,7 @@ def load_detector_design(config: MechmonConfig) -> tuple[SequentialConfig, TailT
         except KeyError as exc:
             raise ValueError(
                 f"--mechmon-detector-shewhart: the calibration {source} has no Shewhart tails ({exc.args[0]}); "
-                "refit it with tools/calibrate_detector.py (it writes a `shewhart` section) or drop the flag."
+                "refit it with mechmon-calibrate (it writes a `shewhart` section) or drop the flag."
             ) from None
     return design, table
 
@@ -276,6 +258,6 @@ def alert_of(alarm: PooledAlarm, config: MechmonConfig, design: SequentialConfig
         reason=reason,
         level=alarm.level,
         kind=alarm.kind,
-        layers=list(alarm.layers),
-        heads=heads,
+        layers=tuple(alarm.layers),
+        heads=tuple(heads),
     )

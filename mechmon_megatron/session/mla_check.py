@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import torch
 
+from mechmon_megatron.detect.families import ATTN_DELTA2
 from mechmon_megatron.monitors.mla_increment import mla_delta2_singular_values
 from mechmon_megatron.monitors.spectral import spectral_stats
 from mechmon_megatron.session import names
 from mechmon_megatron.session.host import MLAHeads
-from mechmon_megatron.session.records import CheckOutput, Family, NonFinite, Partial, Stream
+from mechmon_megatron.session.records import CheckOutput, NonFinite, Partial, Stream
 
 
 def check_mla_heads(layer_number: int, prev: MLAHeads, now: MLAHeads, alpha: float,
@@ -50,7 +51,7 @@ def check_mla_heads(layer_number: int, prev: MLAHeads, now: MLAHeads, alpha: flo
         if not valid[i] and fro[i] == 0.0:
             continue  # no update in the window (e.g. frozen layer): nothing to judge
         value = entropy[i] if valid[i] else float("nan")
-        streams.append(Stream(name=names.attn("delta2_entropy", layer_number, head), family=Family.ATTN_DELTA2,
+        streams.append(Stream(name=names.attn("delta2_entropy", layer_number, head), family=ATTN_DELTA2.name,
                               value=value, layer_number=layer_number, member=f"head_{head}", head=head))
         if per_head_scalars:
             scalars[names.attn("delta2_entropy", layer_number, head)] = Partial("value", value)

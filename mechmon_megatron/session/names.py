@@ -47,8 +47,7 @@ Router (family ``router``), per MoE layer:
     mechmon/router/dropped_fraction/layer_L    share of token-expert assignments dropped by the
                                                expert capacity (routers with a capacity factor)
     mechmon/router/load_fraction_min/layer_L, mechmon/router/load_fraction_max/layer_L
-Detector (per check; family F in attn_delta2, attn_dw, router_entropy, router_weights,
-          and attn_delta2_short with short_window):
+Detector (per check; F a family the job feeds, of the table in detect/families.py):
     mechmon/detect/F/residual/layer_L      pooled standardised residual u_L (trimmed mean over heads)
     mechmon/detect/F/cusum/layer_L         the layer's CUSUM statistic S
     mechmon/detect/F/cusum                 the family's pooled CUSUM (families with > 1 layer)

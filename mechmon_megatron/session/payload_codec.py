@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mechmon_megatron.detect.pooled_cusum import FAMILY_DIRECTIONS
+from mechmon_megatron.detect.families import FAMILY_BY_NAME
 from mechmon_megatron.session.records import Partial, Payload, Stream
 
 Schema = tuple
@@ -39,7 +39,8 @@ def schema_of(payload: Payload) -> Schema:
 def _beyond(stream: Stream) -> bool:
     if stream.limit is None:
         return False
-    direction = FAMILY_DIRECTIONS.get(str(stream.family), "drop")
+    spec = FAMILY_BY_NAME.get(str(stream.family))
+    direction = spec.direction if spec is not None else "drop"
     return stream.value < stream.limit if direction == "drop" else stream.value > stream.limit
 
 

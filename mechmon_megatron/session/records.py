@@ -6,8 +6,9 @@
 * :class:`NonFinite` -- a non-finite weight or logit report, naming its layer;
 * :class:`CheckOutput` -- what one site's check returns: scalars, streams, non-finite reports;
 * :class:`Payload` -- what one reporting rank sends the writer at a check;
-* :class:`Verdict` -- the writer's decision, returned to every rank;
-* :class:`Family` -- the detector's families (a stream names its own: no name parsing online).
+* :class:`Verdict` -- the writer's decision, returned to every rank.
+
+A stream names its own detector family (``detect/families.py``): no name parsing online.
 
 All are plain dataclasses. At a check every rank adds its failure count and error count to one
 small all-reduce; only the ranks that report (own a layer's per-head or full-matrix work, or a
@@ -18,23 +19,11 @@ and only an alarm or a strict stop carries objects (``session/host.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any, Literal, Optional
+from typing import Literal, Optional
+
+from mechmon_megatron.session.alert import Alert
 
 Reduction = Literal["mean", "min", "value"]
-
-
-class Family(str, Enum):
-    """A detector family (``detect.pooled_cusum.FAMILY_DIRECTIONS``); compares equal to its name."""
-
-    ATTN_DELTA2 = "attn_delta2"
-    ATTN_DW = "attn_dw"
-    ATTN_DELTA2_SHORT = "attn_delta2_short"  # only with --mechmon-short-window
-    ROUTER_ENTROPY = "router_entropy"
-    ROUTER_WEIGHTS = "router_weights"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)
@@ -57,7 +46,7 @@ class Stream:
 
     name: str
     family: str
-    """A :class:`Family` (a plain string in records read back from JSON)."""
+    """The name of its detector family (``FamilySpec.name``, ``detect/families.py``)."""
     value: float
     layer_number: int
     member: str = ""
@@ -110,8 +99,8 @@ class Verdict:
     """The writer's decision of one check, the same on every rank after the broadcast."""
 
     alarm: bool = False
-    alerts: list[Any] = field(default_factory=list)
-    """:class:`~mechmon_megatron.session.alert.Alert` records (objects: only when there is an alarm)."""
+    alerts: list[Alert] = field(default_factory=list)
+    """The alarms of the check (objects: they travel only when there is an alarm)."""
     stop: Optional[str] = None
     """Under ``--mechmon-strict``: the message every rank raises."""
 

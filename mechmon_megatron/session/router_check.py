@@ -26,6 +26,7 @@ from typing import Optional
 
 import torch
 
+from mechmon_megatron.detect.families import ROUTER_ENTROPY, ROUTER_WEIGHTS
 from mechmon_megatron.monitors.router import (
     RouterEntropySummary,
     router_conditioning_ratio,
@@ -33,10 +34,7 @@ from mechmon_megatron.monitors.router import (
 )
 from mechmon_megatron.session import names
 from mechmon_megatron.session.host import RouterSite
-from mechmon_megatron.session.records import CheckOutput, Family, NonFinite, Partial, Stream
-
-ROUTER_ENTROPY = Family.ROUTER_ENTROPY
-ROUTER_WEIGHTS = Family.ROUTER_WEIGHTS
+from mechmon_megatron.session.records import CheckOutput, NonFinite, Partial, Stream
 
 NON_SOFTMAX_FLOOR_NOTICE = (
     "[mechmon] MoE routers with the {score} score function (layers {layers}): the routing entropy is that of "
@@ -102,7 +100,7 @@ def router_output(
         names.router("weight_similarity", layer): Partial("value", similarity),
         names.router("eps", layer): Partial("value", eps),
     }
-    streams = [Stream(name=names.router("weight_similarity", layer), family=ROUTER_WEIGHTS, value=similarity,
+    streams = [Stream(name=names.router("weight_similarity", layer), family=ROUTER_WEIGHTS.name, value=similarity,
                       layer_number=layer, member="weight_similarity")]
     nonfinite: list[NonFinite] = []
     if float(total.num_nonfinite) > 0:
@@ -135,7 +133,7 @@ def router_output(
                 "concentrate on fewer experts than they are dispatched to (stable-winner collapse)"
             )
         streams.append(
-            Stream(name=names.router("token_entropy", layer), family=ROUTER_ENTROPY, value=entropy, layer_number=layer,
-                   member="token_entropy", limit=entropy_floor, limit_reason=limit_reason)
+            Stream(name=names.router("token_entropy", layer), family=ROUTER_ENTROPY.name, value=entropy,
+                   layer_number=layer, member="token_entropy", limit=entropy_floor, limit_reason=limit_reason)
         )
     return CheckOutput(scalars=scalars, streams=streams, nonfinite=nonfinite)

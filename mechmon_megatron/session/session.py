@@ -20,7 +20,7 @@ import logging
 import math
 import pickle
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -334,24 +334,28 @@ class MonitoringSession:
         if self.enabled:
             self.checkpoints.append({"iteration": int(iteration), "path": path})
 
-    def on_abort_checkpoint_saved(self, iteration: int, checkpoint_dir: Optional[str]) -> Optional[str]:
-        """Write ``mechmon_alert.json`` beside the abort checkpoint (writer rank); return its path."""
-        if not self.enabled or not self.comm.is_writer:
-            return None
+    def abort_report(self, iteration: int, checkpoint_dir: Optional[str]) -> AlertReport:
+        """The alert record of the abort at ``iteration`` (the same on every rank): written to
+        ``mechmon_alert.json`` by the writer, kept in the checkpoint by hosts that hold it there."""
         alerts = self._pending_abort.alerts if self._pending_abort else self.alerts[-1:]
         starts = [a.iteration if a.first_warning_step is None else a.first_warning_step for a in alerts]
         first_warning = min(starts) if starts else iteration
         before = [c for c in self.checkpoints if c["iteration"] < first_warning]
-        report = AlertReport(
+        return AlertReport(
             iteration=iteration,
-            alerts=alerts,
+            alerts=tuple(alerts),
             checkpoint_dir=checkpoint_dir,
             last_checkpoint_before_first_warning=before[-1] if before else None,
             exit_code=self.config.exit_code,
             action=self.config.action,
         )
+
+    def on_abort_checkpoint_saved(self, iteration: int, checkpoint_dir: Optional[str]) -> Optional[str]:
+        """Write ``mechmon_alert.json`` beside the abort checkpoint (writer rank); return its path."""
+        if not self.enabled or not self.comm.is_writer:
+            return None
         directory = checkpoint_dir or self.config.log_dir or "."
-        path = report.write(directory)
+        path = self.abort_report(iteration, checkpoint_dir).write(directory)
         logger.warning("[mechmon] alert written to %s", path)
         return path
 
@@ -710,7 +714,7 @@ class MonitoringSession:
                         first_warning_step=iteration,
                         reason=report.message,
                         kind="nonfinite",
-                        layers=[] if report.layer_number is None else [report.layer_number],
+                        layers=() if report.layer_number is None else (report.layer_number,),
                     )
                 )
         observations = [
@@ -732,7 +736,7 @@ class MonitoringSession:
                 "[mechmon] detector: calibration misfit in %s: %s warning episodes in the healthy phase where the "
                 "null tails predict %.3g: either a change is starting in this family (an alarm may follow) or its "
                 "thresholds are too low for this job; if no alarm follows, refit them on its healthy steps with "
-                "tools/calibrate_detector.py and pass --mechmon-detector-calibration",
+                "mechmon-calibrate and pass --mechmon-detector-calibration",
                 family,
                 int(result.statistics.get(f"{family}/calibration_misfit/observed", 0)),
                 result.statistics.get(f"{family}/calibration_misfit/expected", 0.0),
@@ -759,7 +763,7 @@ class MonitoringSession:
         """Queue the alarm for the webhook (returns at once; the daemon thread sends it)."""
         if self._webhook is None:
             return
-        fields = {k: v for k, v in asdict(alert).items() if not (isinstance(v, float) and not math.isfinite(v))}
+        fields = {k: v for k, v in alert.to_json().items() if not (isinstance(v, float) and not math.isfinite(v))}
         try:
             self._webhook.post({"text": alert.describe(), "mechmon": {"event": "alarm", "action": self.config.action,
                                                                       **fields}})

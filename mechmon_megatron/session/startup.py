@@ -35,9 +35,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
+from mechmon_megatron.detect.families import ATTN_DELTA2, FAMILIES
 from mechmon_megatron.detect.null_model import TAIL_LEVELS, JobShape, per_test_probability, thresholds_for_job
 from mechmon_megatron.session.config import MechmonConfig
-from mechmon_megatron.session.detector_setup import detector_families, load_detector_design
+from mechmon_megatron.session.detector_setup import detector_families, load_detector_design, switched_on
 
 __all__ = [
     "QUIET_SNAPSHOT_SETS",
@@ -191,13 +192,12 @@ def graphed_router_message(setting: str) -> str:
 
 def job_layers(config: MechmonConfig, num_layers: Optional[int]) -> dict[str, int]:
     """The job's tests counted from below (the per-test probability ``R / (N C)`` is largest for
-    the fewest): both attention families over ``num_layers`` when known, else one test."""
+    the fewest): the attention families the flags switch on, optional ones left out, over
+    ``num_layers`` when known; else one Delta2 test."""
     if "attn" in config.monitors and num_layers:
-        layers = {"attn_delta2": num_layers}
-        if config.full_matrix_dw:
-            layers["attn_dw"] = num_layers
-        return layers
-    return {"attn_delta2": 1}
+        return {spec.name: num_layers for spec in FAMILIES
+                if spec.monitor == "attn" and not spec.optional and switched_on(config, spec)}
+    return {ATTN_DELTA2.name: 1}
 
 
 def check_detector(config: MechmonConfig, layers: Mapping[str, int]) -> None:

@@ -46,10 +46,10 @@ STATE_KEY = "mechmon"
 LEGACY_FORMATS = {
     "trainer-callbacks": "the example trainer's extra state under callbacks/mechmon (mechmon <= 0.3)",
     "megatron-lm-json": "the Megatron-LM adapter's mechmon_state.json of the writer rank (mechmon <= 0.3)",
-    "trainer-extra-file": "the example trainer's per-rank mechmon_extra/rank_R.pt under mechmon (before issue 21)",
+    "trainer-extra-file": "the example trainer's per-rank mechmon_extra/rank_R.pt under mechmon (mechmon <= 0.3)",
     "megatron-lm-rank-json": "the Megatron-LM adapter's per-rank mechmon_state/rank_R.json beside a torch_dist "
-                             "checkpoint (before issue 21)",
-    "deepspeed-single": "DeepSpeed client_state mechmon of the saving rank only (before issue 21)",
+                             "checkpoint (mechmon <= 0.3)",
+    "deepspeed-single": "DeepSpeed client_state mechmon of the saving rank only (mechmon <= 0.3)",
 }
 """Old formats that still load (key -> description)."""
 

@@ -4,16 +4,18 @@ The session writes the alert into the abort checkpoint's folder (``iter_0000012/
 megatron hosts, the DeepSpeed tag folder), or into ``--save`` itself when it had no checkpoint
 folder. An alert is this run's when this launch wrote it (new or rewritten since the launch
 began), its ``checkpoint_dir`` is the folder it lies in, and that folder's iteration is the alert's.
+The file is read by the session's own reader (``AlertReport.from_json``), so the two never disagree
+about its keys.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
-from mechmon_megatron.session.alert import ALERT_FILENAME
+from mechmon_megatron.session.alert import ALERT_FILENAME, Alert, AlertReport
 from mechmon_megatron.supervise.checkpoints import list_checkpoints
 
 
@@ -23,14 +25,28 @@ class AlertError(ValueError):
 
 @dataclass(frozen=True)
 class AlertInfo:
-    iteration: int
-    family: str
-    first_warning_step: Optional[int]
-    layers: list[int] = field(default_factory=list)
-    heads: list[int] = field(default_factory=list)
-    action: str = ""
-    exit_code: Optional[int] = None
-    path: str = ""
+    """This launch's alert report, where it lies, and what the supervisor derives from it."""
+
+    report: AlertReport
+    path: str
+
+    @property
+    def alert(self) -> Alert:
+        """The alarm the supervisor answers: the report's first (the one at the top of the file)."""
+        return self.report.alerts[0]
+
+    @property
+    def iteration(self) -> int:
+        """The iteration of the abort (and of its checkpoint)."""
+        return self.report.iteration
+
+    @property
+    def family(self) -> str:
+        return self.alert.family
+
+    @property
+    def first_warning_step(self) -> Optional[int]:
+        return self.alert.first_warning_step
 
     @property
     def change_point(self) -> int:
@@ -38,8 +54,9 @@ class AlertInfo:
         return self.iteration if self.first_warning_step is None else self.first_warning_step
 
     def to_json(self) -> dict:
-        return {"family": self.family, "layers": self.layers, "heads": self.heads, "iteration": self.iteration,
-                "first_warning_step": self.first_warning_step, "file": self.path}
+        """The alert as the recovery records show it (``mechmon_recovery.jsonl``: ``alert``)."""
+        return {"family": self.family, "layers": list(self.alert.layers), "heads": list(self.alert.heads),
+                "iteration": self.iteration, "first_warning_step": self.first_warning_step, "file": self.path}
 
 
 def _candidates(save: str) -> list[str]:
@@ -79,26 +96,20 @@ def read_alert(save: str, before: dict[str, int]) -> AlertInfo:
                          "no alert)")
     try:
         with open(path, encoding="utf-8") as f:
-            body = json.load(f)
-        iteration = int(body["iteration"])
-        family = body["family"]
-        if not isinstance(family, str) or not family:
-            raise ValueError("no family")
-        first = body.get("first_warning_step")
-        first = None if first is None else int(first)
+            report = AlertReport.from_json(json.load(f))
+        if not report.alerts:
+            raise ValueError("no alert in it")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise AlertError(f"{path} is corrupt ({type(exc).__name__}: {exc})") from None
     folder = os.path.dirname(os.path.abspath(path))
-    recorded = body.get("checkpoint_dir")
+    recorded = report.checkpoint_dir
     if recorded and os.path.realpath(recorded) != os.path.realpath(folder):
         raise AlertError(f"{path} is from another run: its checkpoint_dir {recorded} is not {folder}")
     folder_iteration = _folder_iteration(save, folder)
-    if folder_iteration is not None and folder_iteration != iteration:
-        raise AlertError(f"{path} is from another run: iteration {iteration} in a folder of iteration "
+    if folder_iteration is not None and folder_iteration != report.iteration:
+        raise AlertError(f"{path} is from another run: iteration {report.iteration} in a folder of iteration "
                          f"{folder_iteration}")
-    return AlertInfo(iteration=iteration, family=family, first_warning_step=first,
-                     layers=[int(x) for x in body.get("layers") or []], heads=[int(x) for x in body.get("heads") or []],
-                     action=str(body.get("action", "")), exit_code=body.get("exit_code"), path=path)
+    return AlertInfo(report=report, path=path)
 
 
 def _folder_iteration(save: str, folder: str) -> Optional[int]:

@@ -9,7 +9,9 @@ A JSON file (docs/RECOVERY.md)::
           "alternatives": [{"set": {"--fa-fp32-o": true}},
                            {"set": {"--attention-backend": "unfused"}, "remove": ["--fp8-dot-product-attention"]}]}]}}
 
-``families`` maps an alert family to a remedy list (``null``: stop, no remedy). Each remedy has
+``families`` maps an alert family to a remedy list (``null``: stop, no remedy). The shipped policy
+(``default``) takes the detector families' entries from the family table (``FamilySpec.remedy``,
+``detect/families.py``) and lists only the other alert families itself. Each remedy has
 alternatives, one per host; the first whose flags (and fixed choices) the host's parser has is
 used. An edit can ``set`` flags (``true``: a bare switch; a list: several values; the string
 ``"{skip_window}"``: the iterations from the rollback checkpoint to the alarm), ``remove`` flags,
@@ -25,6 +27,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from mechmon_megatron.detect.families import FAMILIES
 from mechmon_megatron.session.alert import ALERT_FAMILIES
 from mechmon_megatron.supervise.host import HostFlags
 
@@ -149,6 +152,12 @@ def _edit(body: dict, where: str) -> Edit:
         raise PolicyError(f"{where}: {exc}") from None
 
 
+def shipped_families() -> dict[str, Optional[str]]:
+    """The shipped policy's remedy list for each detector family that has one (``FamilySpec.remedy``);
+    a family without one is left out, so the supervisor says the policy has no remedy for it."""
+    return {spec.name: spec.remedy for spec in FAMILIES if spec.remedy is not None}
+
+
 def load_policy(spec: str) -> Policy:
     """``spec``: a JSON file, or ``default`` for the shipped policy."""
     is_default = spec == "default"
@@ -163,6 +172,8 @@ def load_policy(spec: str) -> Policy:
     families, lists = body.get("families"), body.get("remedies")
     if not isinstance(families, dict) or not isinstance(lists, dict):
         raise PolicyError(f"{path}: needs \"families\" and \"remedies\" objects")
+    if is_default:
+        families = {**shipped_families(), **families}
     remedies: dict[str, tuple[Remedy, ...]] = {}
     for list_name, items in lists.items():
         if not isinstance(items, list):

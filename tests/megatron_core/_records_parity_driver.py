@@ -1,4 +1,4 @@
-"""The example trainer, its writer recording the check records both ways (issue 21, two levels).
+"""The example trainer, its writer recording the check records both ways (two levels and direct).
 
     MECHMON_PARITY_OUT=out/parity python tests/megatron_core/_records_parity_driver.py <trainer flags>
 

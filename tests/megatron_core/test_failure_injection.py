@@ -1,4 +1,4 @@
-"""A monitor failure on one rank never kills or hangs a 2-rank TP=2 + SP job (issue 11).
+"""A monitor failure on one rank never kills or hangs a 2-rank TP=2 + SP job.
 
 Failures are injected on rank 1 (tests/megatron_core/_failure_driver.py) into every phase of a
 check of the real example trainer. The ranks run as plain processes, as under ``srun`` without
@@ -125,7 +125,7 @@ def test_a_collective_that_raises_on_one_rank_ends_in_bounded_time_on_every_rank
     the check at 5): rank 0 is left inside the collective, on mechmon's own group, and gives up
     after --mechmon-collective-timeout; then both turn the monitors off and train to the end
     (exit 0), or under --mechmon-strict both stop with the same message (exit 1, Python's status
-    for the uncaught MechmonStrictError). Before issue 21 rank 0 waited until it was killed.
+    for the uncaught MechmonStrictError); rank 0 never waits until it is killed.
     The non-strict case waits the whole timeout (68 s on the loaded 2-core machine): slow leg;
     tests/session/test_collective_guard.py covers the timeout itself in the fast leg."""
     extra = ["--mechmon-collective-timeout", str(COLLECTIVE_TIMEOUT_S), *(["--mechmon-strict"] if strict else [])]

@@ -107,7 +107,7 @@ WORKER = textwrap.dedent(
                     gathered, _ = main_params.weight_reader(weight, ctx.optimizer, self.group, layer=item.name)
                     gathered.configure_use(index % dist.get_world_size(self.group) == dist.get_rank(self.group), rows)
                     self.gathered.append((item.name, weight, gathered, rows))
-            guard().create_declared()  # mechmon's own copies of the groups the readers gather over (issue 21)
+            guard().create_declared()  # mechmon's own copies of the groups the readers gather over
             for name, _, reader, *_ in self.items:
                 self.initial[name] = reader().clone()
             for i, (name, weight, gathered, rows) in enumerate(self.gathered):

@@ -91,7 +91,7 @@ def test_layout_matches_single_process(layout, runs, references):
 
 @pytest.mark.slow  # two more trainer launches (single + torchrun): ~185 s on the loaded 2-core machine
 def test_short_window_under_tp2_matches_single_process(runs):
-    """``--mechmon-short-window`` (issue 19): the short window's Delta2 under TP=2 + SP equals TP=1.
+    """``--mechmon-short-window``: the short window's Delta2 under TP=2 + SP equals TP=1.
 
     Interval 1, delta 2: the check at iteration 2 compares with iteration 0 (long window) and
     with iteration 1 (short window, the snapshot the ring holds for the check at 3)."""

@@ -1,5 +1,5 @@
 """The check records through the tensor-parallel owners decode on the writer exactly as when every
-reporting rank sends straight to it (issue 21): a real 4-rank gloo job of the example trainer,
+reporting rank sends straight to it: a real 4-rank gloo job of the example trainer,
 TP 2 x DP 2 with sequence parallelism, a check at every step (schemas at the first, then rows)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The router monitors on real megatron-core routers with today's settings (issue 12, item 5).
+"""The router monitors on real megatron-core routers with today's settings.
 
 Sigmoid scores with an expert bias (aux-loss-free, DeepSeek-V3 style), group-limited routing,
 capacity factor with token dropping (and padding to capacity), shared experts: the summary the

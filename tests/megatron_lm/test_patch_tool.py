@@ -291,7 +291,7 @@ def test_patch_tool_imports_without_torch():
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
 
 
-# ---------------------------------------------------------------------------- issue 22, row 8
+# ---------------------------------------------------------------------------- a patched script that is a symlink
 def test_symlinked_script_is_edited_where_it_lives_and_reverted(tmp_path):
     """A checkout whose pretrain_gpt.py links to a shared copy: the link stays a link, the file it
     points to is patched, and revert restores that file byte for byte."""

@@ -140,7 +140,7 @@ def test_distributed_optimizer_adds_the_main_parameter_gathers(capsys):
     _, out, _ = _run([*base, "--distributed-optimizer"], capsys)
     report = json.loads(out)
     comps = report["check_time_s_per_rank"]["components"]
-    assert "main_param_allreduce" not in comps  # the all-reduce of the whole shard is gone (issue 21)
+    assert "main_param_allreduce" not in comps  # the shard is gathered, never all-reduced whole
     comp = comps["main_param_gather"]
     # 20 layers per stage, each gathered to its per-head replica and its full-matrix replica
     # (L - 1) % 32 and ((L - 1) % 256) // 8 differ for every layer of the stage but the first of

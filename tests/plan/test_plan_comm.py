@@ -1,4 +1,4 @@
-"""The planner's count of a check's records exchange (issue 21) against a hand count, and its growth:
+"""The planner's count of a check's records exchange against a hand count, and its growth:
 the writer's bytes follow the reporting ranks, every other rank's bytes stay flat with the world."""
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ saves every 50 steps the detector's warm-up (5 checks) and two judged checks to 
 leave no room before the loss is hurt; every 20 steps gives 10 checks of warm-up
 (``warmup_checks(20)``) and a check every 20 steps after the onset. The loss of this toy is noisy
 (a 20-step mean moves by 1 nat in the healthy run too), so the study's divergence step is chaotic
-in the strength and in the stack: measured 2026-12-03 on an AMD EPYC, divergence at 2048 / 1024 /
+in the strength and in the stack: measured on an AMD EPYC, divergence at 2048 / 1024 /
 768 / 512 ulps: 334 / 435 / 472 / none by 600 (Python 3.11, megatron-core 0.16.1) and 368 / 368 /
 369 / 462 (Python 3.12, megatron-core 0.19.2); the scan's first anomaly was 360 in all eight runs.
 At 1024 ulps the current leg left 8 steps between the two (and another CI machine, 380 vs 369,

@@ -1,4 +1,4 @@
-"""Issue 22, the scan's rows: nothing deleted that mechmon did not write, bad input writes nothing,
+"""The scan's bad input: nothing deleted that mechmon did not write, bad input writes nothing,
 a checkpoint left out is listed, the scan refuses what the trainer refuses.
 
 The series is written in-process (tests/scan/synthetic.py: real torch_dist files, no training), and
@@ -52,8 +52,8 @@ def tree(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-# ---------------------------------------------------------------------------- row 1
-def test_row1_out_that_is_the_run_folder_is_refused_and_nothing_is_deleted(run_dir, capsys):
+# ---------------------------------------------------------------------------- an --out folder the scan did not make
+def test_out_that_is_the_run_folder_is_refused_and_nothing_is_deleted(run_dir, capsys):
     before = tree(run_dir)
     assert scan(str(run_dir), "--out", str(run_dir)) == 2
     line = error_line(capsys)
@@ -61,7 +61,7 @@ def test_row1_out_that_is_the_run_folder_is_refused_and_nothing_is_deleted(run_d
     assert tree(run_dir) == before  # the training's events and every checkpoint as they were
 
 
-def test_row1_an_unrelated_folder_keeps_its_outputs(run_dir, tmp_path, capsys):
+def test_an_unrelated_folder_keeps_its_outputs(run_dir, tmp_path, capsys):
     other = tmp_path / "results"
     (other / "img").mkdir(parents=True)
     (other / "img" / "plot.png").write_bytes(b"png")
@@ -73,7 +73,7 @@ def test_row1_an_unrelated_folder_keeps_its_outputs(run_dir, tmp_path, capsys):
     assert tree(other) == before
 
 
-def test_row1_the_scan_marks_its_folder_and_reruns_into_it(run_dir, tmp_path):
+def test_the_scan_marks_its_folder_and_reruns_into_it(run_dir, tmp_path):
     from mechmon_megatron.scan.outputs.manifest import MANIFEST
 
     out = tmp_path / "out"
@@ -84,8 +84,8 @@ def test_row1_the_scan_marks_its_folder_and_reruns_into_it(run_dir, tmp_path):
     assert scan(str(run_dir), "--out", str(out)) == 0  # its own folder: replaced
 
 
-# ---------------------------------------------------------------------------- row 3 (the scan's side)
-def test_row3_scan_refuses_a_rate_no_threshold_fits_and_writes_nothing(run_dir, tmp_path, capsys):
+# ------------------------------------------------------------------------ a rate no threshold fits (the scan's side)
+def test_scan_refuses_a_rate_no_threshold_fits_and_writes_nothing(run_dir, tmp_path, capsys):
     out = tmp_path / "out"
     assert scan(str(run_dir), "--out", str(out), "--false-alarm-rate", "1e6") == 2
     line = error_line(capsys)
@@ -94,17 +94,17 @@ def test_row3_scan_refuses_a_rate_no_threshold_fits_and_writes_nothing(run_dir, 
     assert not out.exists()
 
 
-# ---------------------------------------------------------------------------- row 7 (the scan's side)
+# --------------------------------------------------------------- an --out that cannot be a folder (the scan's side)
 @pytest.mark.parametrize("where", ["/proc/x", "file"])
-def test_row7_out_that_cannot_be_a_folder_is_refused(run_dir, tmp_path, capsys, where):
+def test_out_that_cannot_be_a_folder_is_refused(run_dir, tmp_path, capsys, where):
     out = where if where.startswith("/") else str(run_dir / "latest_checkpointed_iteration.txt")
     assert scan(str(run_dir), "--out", out) == 2
     line = error_line(capsys)
     assert f"--out '{out}'" in line and ("cannot be written" in line or "is not a directory" in line), line
 
 
-# ---------------------------------------------------------------------------- row 10
-def test_row10_a_checkpoint_left_out_is_listed_on_the_console_and_in_the_summary(run_dir, tmp_path, capsys, caplog):
+# ---------------------------------------------------------------------------- a checkpoint left out
+def test_a_checkpoint_left_out_is_listed_on_the_console_and_in_the_summary(run_dir, tmp_path, capsys, caplog):
     (run_dir / "iter_0000030" / ".metadata").unlink()
     out = tmp_path / "out"
     with caplog.at_level(logging.WARNING, logger="mechmon_megatron.scan"):
@@ -118,8 +118,8 @@ def test_row10_a_checkpoint_left_out_is_listed_on_the_console_and_in_the_summary
         {"path": damaged, "reason": "has *.distcp shards but no .metadata: an incomplete or damaged torch_dist save"}]
 
 
-# ---------------------------------------------------------------------------- row 11
-def test_row11_staging_left_by_a_killed_scan_is_removed_by_the_next_run(run_dir, tmp_path):
+# ---------------------------------------------------------------------------- a scan stopped part way
+def test_staging_left_by_a_killed_scan_is_removed_by_the_next_run(run_dir, tmp_path):
     out = tmp_path / "out"
     assert scan(str(run_dir), "--out", str(out)) == 0
     # What a kill while the outputs were being moved in leaves (staging.py).
@@ -131,7 +131,7 @@ def test_row11_staging_left_by_a_killed_scan_is_removed_by_the_next_run(run_dir,
 
 
 @pytest.mark.parametrize("content", ["", '{"tails":{}}'], ids=["empty", "no-tails"])
-def test_row11_bad_input_exits_write_nothing_not_even_the_cache(run_dir, tmp_path, capsys, content):
+def test_bad_input_exits_write_nothing_not_even_the_cache(run_dir, tmp_path, capsys, content):
     calibration = tmp_path / "tails.json"
     calibration.write_text(content)
     out = tmp_path / "out"
@@ -140,7 +140,7 @@ def test_row11_bad_input_exits_write_nothing_not_even_the_cache(run_dir, tmp_pat
     assert not out.exists()
 
 
-def test_row11_a_scan_stopped_by_bad_input_mid_series_removes_the_folder_it_made(run_dir, tmp_path):
+def test_a_scan_stopped_by_bad_input_mid_series_removes_the_folder_it_made(run_dir, tmp_path):
     """The metadata reads, the data does not: found while computing, after the folder was made."""
     for shard in (run_dir / "iter_0000030").glob("*.distcp"):
         shard.write_bytes(shard.read_bytes()[:100])

@@ -1,4 +1,4 @@
-"""The collective guard on real gloo process groups (issue 21): a collective that raises at the call
+"""The collective guard on real gloo process groups: a collective that raises at the call
 on one rank costs its peers at most --mechmon-collective-timeout, after which no rank issues another
 and every rank agrees that the monitors' collectives are off; the byte counter against a hand
 count; a start-up refusal on one rank stops every rank with the same message."""

@@ -1,4 +1,4 @@
-"""A check's records as numbers in a fixed layout (issue 21): the round trip is exact, the schema
+"""A check's records as numbers in a fixed layout: the round trip is exact, the schema
 stays the same from check to check on a healthy run, and only an alarm carries objects."""
 
 from __future__ import annotations
@@ -8,11 +8,12 @@ import math
 
 import torch
 
+from mechmon_megatron.detect.families import ROUTER_ENTROPY
 from mechmon_megatron.session.attention_check import check_full, check_heads
 from mechmon_megatron.session.detector_inputs import observation, stream_observation
 from mechmon_megatron.session.host import FullQK, QKWeights
 from mechmon_megatron.session.payload_codec import decode, encode
-from mechmon_megatron.session.records import Family, NonFinite, Partial, Payload, Stream
+from mechmon_megatron.session.records import NonFinite, Partial, Payload, Stream
 
 
 def _layer(seed: int, heads: int = 4, groups: int = 2, dim: int = 8, hidden: int = 32):
@@ -27,7 +28,7 @@ def _payload(seed: int) -> Payload:
     heads = check_heads(3, QKWeights(wq0, wk0), QKWeights(wq1, wk1), 1.0, "gram", per_head_scalars=True)
     full = check_full(3, FullQK(wq0.reshape(-1, 32), wk0.reshape(-1, 32)), FullQK(wq1.reshape(-1, 32),
                       wk1.reshape(-1, 32)), 1.0, "exact", 4, 0)
-    router = Stream(name="mechmon/router/token_entropy/layer_3", family=Family.ROUTER_ENTROPY, value=0.5,
+    router = Stream(name="mechmon/router/token_entropy/layer_3", family=ROUTER_ENTROPY.name, value=0.5,
                     layer_number=3, member="token_entropy", limit=0.2, limit_reason=f"value {seed}")
     return Payload(rank=5, layers={"attn_delta2": [3], "router_entropy": [3]},
                    scalars=[heads.scalars, full.scalars, {"mechmon/router/eps/layer_3": Partial("value", 0.1)}],

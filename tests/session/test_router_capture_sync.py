@@ -1,4 +1,4 @@
-"""Router statistics are reduced inside the forward hook: no logits kept, no host sync (issue 11).
+"""Router statistics are reduced inside the forward hook: no logits kept, no host sync.
 
 The CUDA test is part of tools/gpu_check.sh; on CPU the exactness test runs.
 """

@@ -1,5 +1,5 @@
 """Snapshot lifecycle and memory: stale snapshots dropped, one copy for shared rows, the ring for
-delta > interval, the start-up budget line and the placement (issue 11)."""
+delta > interval, the start-up budget line and the placement."""
 
 from __future__ import annotations
 

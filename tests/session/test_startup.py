@@ -1,8 +1,8 @@
-"""Issue 22: every bad input refused at start-up (one line naming the flag or file, exit 2), on every
+"""Every bad input refused at start-up (one line naming the flag or file, exit 2), on every
 host, before any process group or model exists; the monitors never go quiet silently.
 
-One test per row of the issue's table that concerns the flags (rows 2-7 and 9; the scan's rows
-are tests/scan/test_scan_bad_input.py, the patch tool's row 8 tests/megatron_lm/test_patch_tool.py).
+One section per kind of bad input that concerns the flags (the scan's bad input is
+tests/scan/test_scan_bad_input.py, the patch tool's tests/megatron_lm/test_patch_tool.py).
 In process: the trainer's and Megatron-LM's parsers with the ``--mechmon*`` flags, the same
 ``validate_mechmon_args`` they call when they parse; the DeepSpeed section parser; the session on
 plain tensors. One launch checks that the trainer's real entry point exits 2 without a traceback.
@@ -79,7 +79,7 @@ def with_tail(field: str, value, overlap: str = "1") -> dict:
     return table
 
 
-# ---------------------------------------------------------------------------- row 2: a tail that divides by 0
+# ---------------------------------------------------------------------------- a tail that divides by 0
 @pytest.mark.parametrize(
     "table, expected",
     [
@@ -93,7 +93,7 @@ def with_tail(field: str, value, overlap: str = "1") -> dict:
     ],
     ids=["theta-0", "theta-string", "theta-negative", "theta-nan", "overlap-0", "overlap-negative", "family"],
 )
-def test_row2_calibration_with_a_bad_tail_is_refused_naming_flag_and_file(tmp_path, capsys, table, expected):
+def test_calibration_with_a_bad_tail_is_refused_naming_flag_and_file(tmp_path, capsys, table, expected):
     import re
 
     path = calibration(tmp_path, "tails.json", table)  # NaN is written as the JSON extension NaN
@@ -102,7 +102,7 @@ def test_row2_calibration_with_a_bad_tail_is_refused_naming_flag_and_file(tmp_pa
         assert "--mechmon-detector-calibration" in line and path in line and re.search(expected, line), line
 
 
-def test_row2_the_session_itself_refuses_a_zero_theta(tmp_path):
+def test_the_session_itself_refuses_a_zero_theta(tmp_path):
     """A host that builds the config itself (DeepSpeed, a library user) meets the same check at start-up."""
     path = calibration(tmp_path, "tails.json", with_tail("theta", 0))
     with pytest.raises(ValueError, match=r"--mechmon-detector-calibration.*theta must be a finite number > 0"):
@@ -110,8 +110,8 @@ def test_row2_the_session_itself_refuses_a_zero_theta(tmp_path):
                           [Toy(1).site()], writer=WriterGroup())
 
 
-# ---------------------------------------------------------------------------- row 3: a rate no threshold fits
-def test_row3_false_alarm_rate_1e6_is_refused_by_the_trainer_and_megatron_lm(capsys):
+# ---------------------------------------------------------------------------- a rate no threshold fits
+def test_false_alarm_rate_1e6_is_refused_by_the_trainer_and_megatron_lm(capsys):
     line = refused(trainer_parser(), ["--mechmon-false-alarm-rate", "1e6"], capsys)
     assert "--mechmon-false-alarm-rate 1e+06" in line
     # Megatron-LM at interval 5, where the old code built thresholds of 0.0.
@@ -120,14 +120,14 @@ def test_row3_false_alarm_rate_1e6_is_refused_by_the_trainer_and_megatron_lm(cap
     assert "--mechmon-false-alarm-rate 1e+06 is beyond the measured null tails" in line and "use a rate below" in line
 
 
-def test_row3_the_usual_rates_are_accepted():
+def test_the_usual_rates_are_accepted():
     for rate in ("0.001", "0.01", "1", "100"):
         assert accepted(trainer_parser(), ["--mechmon-false-alarm-rate", rate]).false_alarm_rate == float(rate)
 
 
-# ---------------------------------------------------------------------------- row 4: alpha inf
+# ---------------------------------------------------------------------------- alpha inf
 @pytest.mark.parametrize("alpha", ["inf", "-inf", "nan", "0", "-1"])
-def test_row4_alpha_must_be_finite_and_positive_in_the_trainer_and_the_scan(capsys, tmp_path, alpha):
+def test_alpha_must_be_finite_and_positive_in_the_trainer_and_the_scan(capsys, tmp_path, alpha):
     from mechmon_megatron.scan import ScanConfig, ScanInputError
 
     line = refused(trainer_parser(), [f"--mechmon-alpha={alpha}"], capsys)
@@ -136,21 +136,21 @@ def test_row4_alpha_must_be_finite_and_positive_in_the_trainer_and_the_scan(caps
         ScanConfig(inputs=("x",), out=str(tmp_path / "out"), alpha=float(alpha))
 
 
-# ---------------------------------------------------------------------------- row 5: no table at all
+# ---------------------------------------------------------------------------- no table at all
 @pytest.mark.parametrize(
     "content, expected",
     [("", "empty file"), ("{", "not JSON"), ("[1,2,3]", "expected a JSON object"),
      ('{"tails":{}}', '"tails" is empty')],
     ids=["empty", "bad-json", "list", "no-tails"],
 )
-def test_row5_calibration_that_is_no_table_is_refused_at_parse_time(tmp_path, capsys, content, expected):
+def test_calibration_that_is_no_table_is_refused_at_parse_time(tmp_path, capsys, content, expected):
     path = calibration(tmp_path, "tails.json", content)
     for parser in (trainer_parser(), megatron_parser()):
         line = refused(parser, ["--mechmon-detector-calibration", path], capsys)
         assert f"--mechmon-detector-calibration: no usable null-tail table in {path}: {expected}" in line, line
 
 
-def test_row5_deepspeed_section_refuses_it_naming_the_key(tmp_path):
+def test_deepspeed_section_refuses_a_calibration_that_is_no_table(tmp_path):
     from mechmon_megatron.adapters.deepspeed.config import parse_section
 
     path = calibration(tmp_path, "tails.json", '{"tails":{}}')
@@ -158,8 +158,8 @@ def test_row5_deepspeed_section_refuses_it_naming_the_key(tmp_path):
         parse_section({"enabled": True, "detector_calibration": path})
 
 
-# ---------------------------------------------------------------------------- row 6: abort without a save folder
-def test_row6_checkpoint_and_abort_needs_save(tmp_path, capsys):
+# ---------------------------------------------------------------------------- abort without a save folder
+def test_checkpoint_and_abort_needs_save(tmp_path, capsys):
     for parser in (trainer_parser(), megatron_parser()):
         line = refused(parser, ["--mechmon-action", "checkpoint-and-abort"], capsys)
         assert "--mechmon-action checkpoint-and-abort" in line and "--save is not set" in line
@@ -169,7 +169,7 @@ def test_row6_checkpoint_and_abort_needs_save(tmp_path, capsys):
     assert ok.action == "checkpoint-and-abort" and not (tmp_path / "ckpt").exists()  # checked, nothing made
 
 
-def test_row6_deepspeed_abort_needs_a_checkpoint_dir(tmp_path):
+def test_deepspeed_abort_needs_a_checkpoint_dir(tmp_path):
     from mechmon_megatron.adapters.deepspeed.config import parse_section
 
     with pytest.raises(ValueError, match=r"^ds_config\.mechmon\.action checkpoint-and-abort.*checkpoint_dir"):
@@ -178,8 +178,8 @@ def test_row6_deepspeed_abort_needs_a_checkpoint_dir(tmp_path):
     assert section.action == "checkpoint-and-abort"
 
 
-# ---------------------------------------------------------------------------- row 7: a log dir that cannot be one
-def test_row7_log_dir_that_is_a_file_or_unwritable_is_refused(tmp_path, capsys):
+# ---------------------------------------------------------------------------- a log dir that cannot be one
+def test_log_dir_that_is_a_file_or_unwritable_is_refused(tmp_path, capsys):
     a_file = tmp_path / "file"
     a_file.write_text("x")
     line = refused(trainer_parser(), ["--mechmon-log-dir", str(a_file)], capsys)
@@ -192,7 +192,7 @@ def test_row7_log_dir_that_is_a_file_or_unwritable_is_refused(tmp_path, capsys):
     assert not (tmp_path / "new").exists() and os.listdir(tmp_path) == ["file"]  # the probe left nothing
 
 
-# ---------------------------------------------------------------------------- row 9: nothing to check in the run
+# ---------------------------------------------------------------------------- nothing to check in the run
 @pytest.mark.parametrize(
     "flags, expected",
     [
@@ -202,13 +202,13 @@ def test_row7_log_dir_that_is_a_file_or_unwritable_is_refused(tmp_path, capsys):
     ],
     ids=["delta", "interval", "drill"],
 )
-def test_row9_schedule_that_cannot_fit_the_run_is_warned_at_start_up(caplog, flags, expected):
+def test_schedule_that_cannot_fit_the_run_is_warned_at_start_up(caplog, flags, expected):
     with caplog.at_level(logging.WARNING, logger="mechmon_megatron.cli.args"):
         accepted(trainer_parser(), ["--train-iters", "40", *flags])
     assert any(expected in r.getMessage() for r in caplog.records), caplog.text
 
 
-def test_row9_many_snapshot_sets_are_warned_with_their_memory(caplog):
+def test_many_snapshot_sets_are_warned_with_their_memory(caplog):
     with caplog.at_level(logging.WARNING, logger="mechmon_megatron.cli.args"):
         accepted(trainer_parser(), ["--train-iters", "5000", "--mechmon-interval", "10", "--mechmon-delta", "1000",
                                     "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8"])
@@ -221,7 +221,7 @@ def test_row9_many_snapshot_sets_are_warned_with_their_memory(caplog):
     assert not caplog.records  # a healthy schedule says nothing
 
 
-def test_row9_the_session_warns_its_snapshot_memory_on_every_host(caplog):
+def test_the_session_warns_its_snapshot_memory_on_every_host(caplog):
     """DeepSpeed has no model shape at parse time: the session's own budget line (exact, per rank)
     is a warning when more than a few sets are held, an info line otherwise."""
     site = Toy(1).site()
@@ -236,7 +236,7 @@ def test_row9_the_session_warns_its_snapshot_memory_on_every_host(caplog):
     assert lines[1][0] == logging.INFO and "2 sets held at once" in lines[1][1]
 
 
-# ---------------------------------------------------------------------------- item 2: never quiet silently
+# ---------------------------------------------------------------------------- never quiet silently
 class Toy:
     HEADS, GROUPS, HEAD_DIM, HIDDEN = 2, 2, 4, 16
 

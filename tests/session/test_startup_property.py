@@ -1,4 +1,4 @@
-"""Issue 22, property: over the flags and over calibration files, every configuration is either
+"""Property: over the flags and over calibration files, every configuration is either
 refused at start-up (exit status 2, one line naming a ``--mechmon-`` flag) or it runs its checks
 with ``mechmon/active`` = 1 -- never accepted and then silently unmonitored.
 

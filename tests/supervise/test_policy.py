@@ -93,16 +93,24 @@ def test_a_user_policy_can_restore_the_intended_lr(tmp_path: Path):
     assert applied.removed == ["--lr 1.2e-3", "--min-lr 1.2e-4"]
 
 
-def test_alert_families_are_the_detectors_and_the_sessions():
-    """The supervisor's standard-library copy of the family names (``session/alert.py``) equals
-    the detector's table and the session's ``Family``; a policy is checked against it."""
-    from mechmon_megatron.detect.pooled_cusum import FAMILY_DIRECTIONS
-    from mechmon_megatron.session.alert import ALERT_FAMILIES, DETECTOR_FAMILIES
-    from mechmon_megatron.session.records import Family
+def test_alert_families_and_the_shipped_policy_read_the_family_table():
+    """The alert families are the detector's table plus the two of the session; the shipped policy
+    answers each detector family with its table ``remedy`` (the JSON file lists only the others),
+    and a family without one is left out, so the supervisor says it has no remedy for it."""
+    import json
 
-    assert set(DETECTOR_FAMILIES) == set(FAMILY_DIRECTIONS) == {f.value for f in Family}
-    assert set(ALERT_FAMILIES) == set(DETECTOR_FAMILIES) | {"nonfinite", "drill"}
-    assert set(load_policy("default").families) <= set(ALERT_FAMILIES)
+    from mechmon_megatron.detect.families import FAMILIES, FAMILY_NAMES
+    from mechmon_megatron.session.alert import ALERT_FAMILIES
+    from mechmon_megatron.supervise.policy import DEFAULT_POLICY
+
+    assert ALERT_FAMILIES == (*FAMILY_NAMES, "nonfinite", "drill")
+    shipped = load_policy("default").families
+    assert set(shipped) <= set(ALERT_FAMILIES)
+    assert {f: shipped.get(f) for f in FAMILY_NAMES} == {s.name: s.remedy for s in FAMILIES}
+    assert shipped == {"attn_delta2": "attention_precision", "attn_dw": "attention_precision",
+                       "router_entropy": "router", "router_weights": "router", "nonfinite": None, "drill": "rehearsal"}
+    with open(DEFAULT_POLICY, encoding="utf-8") as f:
+        assert not set(json.load(f)["families"]) & set(FAMILY_NAMES)  # declared once, in the table
 
 
 def test_mla_command_skips_megatrons_local_attention_remedy():

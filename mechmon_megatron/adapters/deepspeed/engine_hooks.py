@@ -19,7 +19,7 @@ the engine INSTANCE (the class is untouched):
     {rank: state}}`` (``session/state_format.py``). The checkpoint is then recorded for the alert's
     "last checkpoint before the first warning". The abort checkpoint of checkpoint-and-abort holds
     the user's client state too, taken from ``client_state_fn()`` (passed to ``attach``), plus
-    ``client_state["mechmon_alert"]``.
+    ``client_state["mechmon_alert"]``, the content of ``mechmon_alert.json`` (``AlertReport.to_json``).
 ``engine.load_checkpoint``
     Each rank restores its own state from the loaded ``client_state`` (no second warm-up; the
     older single state of the saving rank loads on every rank, with one notice) and restarts the
@@ -44,7 +44,6 @@ import logging
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import asdict
 from typing import Any, Callable, Optional
 
 import torch
@@ -442,7 +441,8 @@ class MechmonDeepSpeed:
         iteration = decision.iteration
         directory = self._abort_dir()
         tag = f"global_step{iteration}"
-        alert = {"iteration": iteration, "alerts": [asdict(a) for a in decision.alerts]}
+        # The content of mechmon_alert.json (``session/alert.py``), so the checkpoint carries its alarm.
+        alert = self.session.abort_report(iteration, os.path.join(directory, tag)).to_json()
         client_state: dict[str, Any] = {}
         if self.client_state_fn is not None:
             try:  # validated at attach; a failure now still saves the model, without the user's part

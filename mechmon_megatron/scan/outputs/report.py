@@ -16,6 +16,7 @@ import re
 from collections.abc import Sequence
 from typing import Any, Optional
 
+from mechmon_megatron.detect.families import FAMILIES
 from mechmon_megatron.scan.errors import ScanInputError
 from mechmon_megatron.scan.replay import Anomaly, CheckValues
 from mechmon_megatron.session import names
@@ -82,7 +83,7 @@ def _layer_figure(path: str, layer: int, checks: Sequence[CheckValues], first: O
         twin.set_ylabel("eps")
         ax.set_title("router_weights: mean pairwise cosine S (detector) and conditioning ratio eps", fontsize=9)
     ax = axes[-1]
-    for family in ("attn_delta2", "attn_dw", "router_weights"):
+    for family in (spec.name for spec in FAMILIES if spec.from_checkpoints):  # what a scan feeds
         xs, ys = _series(checks, f"{names.DETECT_PREFIX}/{family}/cusum/layer_{layer}")
         if all(math.isnan(y) for y in ys):
             continue

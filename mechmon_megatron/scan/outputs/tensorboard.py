@@ -1,6 +1,6 @@
 """The per-check scalars as the online session writes them: TensorBoard events (``mechmon/`` tags,
 step = checkpoint iteration) and ``mechmon_scalars.jsonl`` (the session's JSONL writer; the input
-of ``tools/calibrate_detector.py``, so a scan of a healthy run can calibrate the detector)."""
+of ``mechmon-calibrate``, so a scan of a healthy run can calibrate the detector)."""
 
 from __future__ import annotations
 
