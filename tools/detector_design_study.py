@@ -3,7 +3,7 @@ research-only attention-logit family, at the session default false-alarm rate.
 
     python tools/detector_design_study.py --records docs/data/detector_study --out /tmp/design_study.json
 
-Prints the markdown tables of docs/RESULTS.md ("Design study for a faster detector") and writes
+Prints the markdown tables of docs/RESULTS.md ("Designs evaluated and not adopted") and writes
 the full JSON (per run, interval and design: first alarms by family, kinds, leads, every alarm).
 A few minutes on 2 cores. See ``mechmon_megatron.research.study.design_study``.
 """

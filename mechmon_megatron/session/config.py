@@ -131,7 +131,7 @@ class MechmonConfig:
     detector_shewhart: bool = False
     """Add a Shewhart limit beside every CUSUM (one check far beyond the null tail alarms at
     once; the union bound splits each test's probability between the two). Off by default until
-    it is confirmed on held-out fault seeds (docs/RESULTS.md, "Design study for a faster detector"). Needs a
+    it is confirmed on held-out fault seeds (docs/RESULTS.md, "Designs evaluated and not adopted"). Needs a
     calibration with a ``shewhart`` section (the shipped one has it)."""
 
     short_window: bool = False

@@ -261,7 +261,7 @@ def _fmt(x: Any) -> str:
 
 
 def markdown(results: Mapping[str, Any]) -> str:
-    """The tables of docs/RESULTS.md ("Design study for a faster detector")."""
+    """The tables of docs/RESULTS.md ("Designs evaluated and not adopted")."""
     lines = [
         f"R = {results['rate_per_million']:g} per 10^6 steps; "
         f"calibration runs {', '.join(results['calibration_runs'])}; "
