@@ -1,10 +1,11 @@
-"""A real healthy run of the example trainer (CPU, about 10 s of training on an idle core):
+"""A real healthy run of the example trainer (CPU, about 20 s of training on an idle core):
 calibrating from its TensorBoard events gives the fit of its ``mechmon_scalars.jsonl``.
 
 TensorBoard keeps each value as a 32-bit float (the JSONL records keep the session's 64-bit
 floats), so the fit from the events is exactly the fit from the records rounded to float32, and
 equal to the fit from the records themselves up to that rounding: the same tests, counts and
-fallbacks, every fitted number within a relative 1e-5.
+fallbacks, every fitted number within a relative 1e-4 (the float32 rounding of the inputs, 6e-8,
+grows through the robust scales and the tail fit: up to 2e-5 measured on megatron-core 0.19).
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2"
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
     """``RUN/tb`` (the trainer's TensorBoard writer, which mechmon writes into) and ``RUN/mechmon``
-    (``--mechmon-log-dir``: the JSONL records): 400 steps, 40 checks."""
+    (``--mechmon-log-dir``: the JSONL records): 800 steps, 80 checks (60 after the warm-up: 40 left
+    the layer-level Delta2 test without one healthy excursion to fit on megatron-core 0.19)."""
     run = tmp_path_factory.mktemp("calibrate") / "pretrain-a"
-    cmd = [sys.executable, "-m", "gpt_trainer", *TINY, "--train-iters", "400", "--mechmon",
+    cmd = [sys.executable, "-m", "gpt_trainer", *TINY, "--train-iters", "800", "--mechmon",
            "--mechmon-per-head-scalars", "--mechmon-interval", str(INTERVAL), "--mechmon-delta", str(DELTA),
            "--tensorboard-dir", str(run / "tb"), "--mechmon-log-dir", str(run / "mechmon")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -55,13 +57,13 @@ def _fit(series):
 
 
 def _close(a, b) -> None:
-    """Same structure, same integers and strings, floats within a relative 1e-5."""
+    """Same structure, same integers and strings, floats within a relative 1e-4."""
     if isinstance(a, dict):
         assert isinstance(b, dict) and list(a) == list(b)
         for key in a:
             _close(a[key], b[key])
     elif isinstance(a, float):
-        assert b == pytest.approx(a, rel=1e-5, abs=1e-9)
+        assert b == pytest.approx(a, rel=1e-4, abs=1e-9)
     else:
         assert a == b
 
@@ -69,7 +71,7 @@ def _close(a, b) -> None:
 def test_the_fit_from_tensorboard_events_is_the_fit_from_the_records(trained):
     (records,) = load_runs(str(trained / "mechmon"))
     (events,) = load_runs(str(trained / "tb"))
-    assert len(records) == 40 and any("/head_" in k for k in records[-1][1])  # per-head Delta2 recorded
+    assert len(records) == 80 and any("/head_" in k for k in records[-1][1])  # per-head Delta2 recorded
     # same checks, names and steps; values rounded to float32 (compared as text: a NaN equals a NaN)
     assert json.dumps(events, sort_keys=True) == json.dumps(_rounded(records), sort_keys=True)
     from_events = _fit([events])
