@@ -62,6 +62,21 @@ def _checks(rows: list[Any], path: str) -> Run:
         raise CalibrationError(f"{path}: a check holds a value that is not a number ({exc})") from None
 
 
+def jsonl_rows(lines: Iterable[str]) -> list[Any]:
+    """The JSON values of the non-empty lines; a line that is not JSON (the torn last line of a run
+    still writing) is skipped."""
+    rows: list[Any] = []
+    for line in lines:
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
 def read_jsonl_runs(path: str) -> list[Run]:
     """The runs of one ``mechmon_scalars.jsonl``, in the order they first appear, each sorted by step.
 
@@ -70,17 +85,9 @@ def read_jsonl_runs(path: str) -> list[Run]:
     :class:`CalibrationError` naming the file. A fresh start appended to the file is a run of its
     own; a resume (and a relaunch after a rollback) continues its run, repeats kept
     (``session.runs.split_runs``). Rows without run numbers are one run."""
-    rows: list[Any] = []
     try:
         with open(path, encoding="utf-8") as f:
-            for line in f:
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
+            rows = jsonl_rows(f)
     except UnicodeDecodeError:
         raise CalibrationError(f"{path}: not a text file ({_EXPECTED})") from None
     except OSError as exc:

@@ -55,12 +55,12 @@ an alarm before the onset counts as a false alarm, not a lead.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from mechmon_megatron.calibrate.records import jsonl_rows
 from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE, load_tail_table
 from mechmon_megatron.detect.pooled_cusum import default_sequential_config
 from mechmon_megatron.research.baselines.symptom_rules import GrowthRule, build_symptom_rules
@@ -175,20 +175,11 @@ class CollapseRule:
 # ---------------------------------------------------------------------------------------- I/O
 def read_jsonl(path: str) -> list[dict[str, Any]]:
     """Rows of a JSONL file; a truncated last line (a run still writing) is skipped."""
-    rows = []
     try:
         with open(path, encoding="utf-8") as f:
-            for line in f:
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
+            return jsonl_rows(f)
     except FileNotFoundError:
         return []
-    return rows
 
 
 def _num(value: Any) -> float:
