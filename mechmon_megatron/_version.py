@@ -5,7 +5,7 @@ re-exports it. 0.1: the per-stream detector; 0.2: the whole-job detector; 0.3: m
 mechmon-plan and the Megatron-LM host.
 
 Not to be confused with the format versions of saved state, which change only when that format
-does: ``session.session.STATE_VERSION`` (the checkpointed monitor state) and the detectors'
+does: ``session.saved_state.STATE_VERSION`` (the checkpointed monitor state) and the detectors'
 own ``state_dict`` versions.
 """
 

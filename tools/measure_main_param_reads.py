@@ -88,19 +88,18 @@ class ReadComparison:
     def on_train_start(self, ctx) -> None:
         from mechmon_megatron.adapters.megatron_core.discovery import find_modules
         from mechmon_megatron.adapters.megatron_core.main_params import weight_reader
+        from mechmon_megatron.session.collective_guard import guard
 
         found, _ = find_modules(ctx.model_chunks)
         for item in found:
             module, cfg = item.module, item.module.config
             weight = module.linear_qkv.weight
-            main, source = weight_reader(weight, ctx.optimizer, layer=item.name)
-            model, _ = weight_reader(weight, ctx.optimizer, layer=item.name, setting="model")
+            main, source = weight_reader(weight, ctx.optimizer, layer=item.name, guard=guard())
+            model, _ = weight_reader(weight, ctx.optimizer, layer=item.name, setting="model", guard=guard())
             assert source == "main", f"{item.name}: expected FP32 main params with --bf16, got {source}"
             self.layers.append(dict(layer=item.layer_number, weight=weight, reads={"main": main, "model": model},
                                     np=cfg.num_attention_heads, ng=cfg.num_query_groups or cfg.num_attention_heads,
                                     hn=module.hidden_size_per_attention_head))
-        from mechmon_megatron.session.collective_guard import guard
-
         guard().create_declared()  # mechmon's own copies of the groups the readers gather over
         if 0 in self.snap_steps:
             self._snapshot(0)

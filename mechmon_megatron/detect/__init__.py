@@ -3,7 +3,7 @@
 The whole-job detector the session runs (docs/METHOD.md, section 7):
 
 - :mod:`~mechmon_megatron.detect.families` -- the detector's families, declared once
-  (``FamilySpec``: direction, scalars, switch and flag, start-up lines, the shipped remedy), read
+  (``FamilySpec``: direction, scalars, switch, start-up lines, the shipped remedy), read
   by the detector, the session, scan and the supervisor;
 - :mod:`~mechmon_megatron.detect.robust_trend` -- a stream's drift-following robust baseline and
   its standardised residual;

@@ -5,7 +5,7 @@ head of a layer) -- with the direction a fault moves it in. Who reads what:
 
 * the core detector (``pooled_cusum``, ``null_model``): the names and the directions;
 * the session: the scalars (to attribute recorded streams offline, ``session/detector_inputs.py``),
-  the monitor, switch and flag (which families a configuration feeds, ``session/detector_setup.py``,
+  the monitor and switch (which families a configuration feeds, ``session/detector_setup.py``,
   ``session/startup.py``) and the lines users see at start-up (``label``, ``no_signal``);
 * ``mechmon-scan``: which families a checkpoint series can feed (``from_checkpoints``);
 * ``mechmon-supervise``: the remedy list its shipped policy answers each family with (``remedy``).
@@ -78,16 +78,16 @@ class FamilySpec:
     """Its short name in start-up lines (families with one label are listed once)."""
     no_signal: str
     """Why a job that could feed it has no layer that does (the start-up notice of families left out
-    of the union bound)."""
+    of the union bound); the settings it names are ``$field`` placeholders, spelled by whoever
+    shows it (``detect/config_error.py``)."""
     switch: Optional[str] = None
     """The ``MechmonConfig`` boolean field that must be on for a job to feed it; None: fed whenever
-    its monitor has a layer."""
-    flag: Optional[str] = None
-    """The flag that moves ``switch`` from its default: it turns an optional family on, or a default
-    one off (that flag is then the start-up reason it has no signal); None: no switch."""
+    its monitor has a layer. A switch moved from its default turns an optional family on, or a
+    default one off (the setting, spelled by whoever shows it, is then the start-up reason it has
+    no signal: ``--mechmon-no-full-matrix-dw`` on a command line)."""
     optional: bool = False
-    """Off by default: a calibration file may lack its tails, and only a job that asks for it (``flag``)
-    needs them (the shipped ``null_tails.json`` covers the other families)."""
+    """Off by default: a calibration file may lack its tails, and only a job that asks for it (its
+    ``switch``) needs them (the shipped ``null_tails.json`` covers the other families)."""
     remedy: Optional[str] = None
     """The remedy list of the shipped supervisor policy (``supervise/default_policy.json``) that answers
     its alarm; None: the shipped policy has none, and the supervisor stops on it."""
@@ -97,17 +97,17 @@ class FamilySpec:
 
 
 _ATTN_NO_SIGNAL = "no attention layer is monitored"
-_ROUTER_NO_SIGNAL = "no MoE router is monitored (a dense model, or --mechmon-monitors without router)"
+_ROUTER_NO_SIGNAL = "no MoE router is monitored (a dense model, or $monitors without router)"
 
 ATTN_DELTA2 = FamilySpec(
     name="attn_delta2", direction="drop", monitor="attn", scalars=("delta2_entropy",), per_head=True,
     window="delta", label="Delta2",
-    no_signal=f"{_ATTN_NO_SIGNAL} (--mechmon-monitors without attn, or none found)",
+    no_signal=f"{_ATTN_NO_SIGNAL} ($monitors without attn, or none found)",
     remedy="attention_precision", from_checkpoints=True,
 )
 ATTN_DW = FamilySpec(
     name="attn_dw", direction="drop", monitor="attn", scalars=("dw_entropy", "dwk_entropy"), window="delta",
-    label="dW", no_signal=_ATTN_NO_SIGNAL, switch="full_matrix_dw", flag="--mechmon-no-full-matrix-dw",
+    label="dW", no_signal=_ATTN_NO_SIGNAL, switch="full_matrix_dw",
     remedy="attention_precision", from_checkpoints=True,
 )
 ROUTER_ENTROPY = FamilySpec(
@@ -122,7 +122,7 @@ ROUTER_WEIGHTS = FamilySpec(
 ATTN_DELTA2_SHORT = FamilySpec(
     name="attn_delta2_short", direction="drop", monitor="attn", scalars=("delta2_entropy_short",), per_head=True,
     window="interval", label="short-window Delta2", no_signal=_ATTN_NO_SIGNAL, switch="short_window",
-    flag="--mechmon-short-window", optional=True,
+    optional=True,
     # No shipped remedy: the family is off until calibrated (docs/RESULTS.md), so a person decides.
     remedy=None,
 )

@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
+from mechmon_megatron.detect.config_error import ConfigError
 from mechmon_megatron.detect.families import FAMILY_BY_NAME, FAMILY_NAMES
 from mechmon_megatron.detect.pooled_cusum import FamilyThresholds, Thresholds
 
@@ -57,7 +58,7 @@ __all__ = [
 ]
 
 DEFAULT_FALSE_ALARM_RATE = 0.01
-"""Expected false alarms per 1,000,000 steps for the whole job (``--mechmon-false-alarm-rate``)."""
+"""Expected false alarms per 1,000,000 steps for the whole job (``MechmonConfig.false_alarm_rate``)."""
 
 DEFAULT_WARNING_FACTOR = 1000.0
 """Warnings are set at ``R * factor`` (10 per million steps at the default R): sensitive, never act."""
@@ -88,10 +89,22 @@ class NullTail:
         return self.log_p_u0 - self.theta * max(0.0, h - self.u0)
 
     def threshold(self, probability: float) -> float:
-        """Smallest ``h`` with fitted ``P0(S > h) <= probability``."""
+        """Smallest ``h`` with fitted ``P0(S > h) <= probability``: defined for every probability in
+        (0, 1) (``u0`` when the tail at ``u0`` is already below it; infinite when ``theta`` is so
+        small that no finite ``h`` reaches it, e.g. a tiny theta scaled to 0 beyond the measured
+        overlaps). ``ValueError`` for a probability outside (0, 1)."""
         if not 0 < probability < 1:
             raise ValueError(f"probability must be in (0, 1), got {probability}.")
-        return self.u0 + max(0.0, (self.log_p_u0 - math.log(probability)) / self.theta)
+        excess = self.log_p_u0 - math.log(probability)
+        if excess <= 0:
+            return self.u0
+        return self.u0 + excess / self.theta if self.theta > 0 else math.inf
+
+    def bounded(self) -> bool:
+        """Every probability in (0, 1) has a finite threshold: the smallest positive float's has
+        (the threshold falls as the probability rises). False only for a ``theta`` too small for
+        any measured tail (below about 1e-305, or scaled to that beyond the measured overlaps)."""
+        return math.isfinite(self.threshold(math.ulp(0.0)))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -241,7 +254,7 @@ class TailTable:
         families of ``detect/families.py``, levels ``layer`` / ``family``, and every tail
         with the fields of :class:`NullTail` (``theta`` and ``theta_hat`` finite and > 0, ``u0``
         finite and >= 0, ``log_p_u0`` finite and <= 0, counts integers >= 1). The optional
-        ``"shewhart"`` section (the tails of the Shewhart limits, ``--mechmon-detector-shewhart``)
+        ``"shewhart"`` section (the tails of the Shewhart limits, ``MechmonConfig.detector_shewhart``)
         has the same shape and the same checks.
         """
         if not isinstance(data, Mapping) or not isinstance(data.get("tails"), Mapping):
@@ -344,16 +357,20 @@ def load_tail_table(path: Optional[str] = None) -> TailTable:
 def per_test_probability(shape: JobShape, rate_per_million: float) -> float:
     """``p = R / (N C)``: the false-alarm probability each test may spend at one check.
 
-    ``ValueError`` naming ``--mechmon-false-alarm-rate`` unless ``0 < p < 1``: a rate that
-    large asks every test to alarm at nearly every check, and no threshold can do that."""
+    ``ConfigError`` (``false_alarm_rate``) unless the rate is a number > 0 and ``0 < p < 1``: a
+    rate that large asks every test to alarm at nearly every check, and no threshold can do that."""
+    if not (isinstance(rate_per_million, (int, float)) and math.isfinite(rate_per_million)
+            and rate_per_million > 0):
+        raise ConfigError("false_alarm_rate", f"must be a number > 0, got {rate_per_million!r}")
     tests = max(1, shape.num_tests())
     per_test = rate_per_million / (tests * shape.checks_per_million())
     if not 0 < per_test < 1:
         most = tests * shape.checks_per_million()
-        raise ValueError(
-            f"--mechmon-false-alarm-rate {rate_per_million:g} asks each of the job's {tests} tests for a false "
-            f"alarm with probability {per_test:.3g} at every check (every {shape.interval} steps), which must be "
-            f"below 1: use a rate below {most:g} per 10^6 steps (the usual range is 0.001 to 100)"
+        raise ConfigError(
+            "false_alarm_rate",
+            f"{rate_per_million:g} asks each of the job's {tests} tests for a false alarm with probability "
+            f"{per_test:.3g} at every check (every {shape.interval} steps), which must be below 1: use a rate "
+            f"below {most:g} per 10^6 steps (the usual range is 0.001 to 100)",
         )
     return per_test
 
@@ -369,9 +386,8 @@ def thresholds_for_job(
 
     ``shewhart``: also set each test's Shewhart limit from ``table.shewhart``, with the test's
     probability split ``SHEWHART_SHARE`` to the limit and the rest to its CUSUM (KeyError when
-    the table has no Shewhart tails)."""
-    if not (math.isfinite(rate_per_million) and rate_per_million > 0):
-        raise ValueError(f"--mechmon-false-alarm-rate must be a number > 0, got {rate_per_million}.")
+    the table has no Shewhart tails). ``ConfigError`` (``false_alarm_rate``) from
+    :func:`per_test_probability`."""
     if not warning_factor >= 1:
         raise ValueError(f"warning factor must be >= 1, got {warning_factor}.")
     table = table or load_tail_table()

@@ -12,9 +12,9 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE
-from mechmon_megatron.scan.config import ScanConfig
+from mechmon_megatron.scan.config import SHARED_SETTINGS, ScanConfig, scan_flag
 from mechmon_megatron.scan.errors import ScanInputError
+from mechmon_megatron.session.config import argparse_kwargs
 
 __all__ = ["build_parser", "main"]
 
@@ -45,13 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--every", type=int, default=1, help="judge every k-th checkpoint (default 1)")
     p.add_argument("--window", type=int, default=1,
                    help="compare checkpoint t with t - k, in checkpoints (default 1: consecutive pairs)")
-    p.add_argument("--false-alarm-rate", type=float, default=DEFAULT_FALSE_ALARM_RATE,
-                   help="expected false alarms per 10^6 training steps for the whole scan "
-                        f"(default {DEFAULT_FALSE_ALARM_RATE:g})")
-    p.add_argument("--detector-calibration", default=None,
-                   help="null-tail JSON of your healthy runs (mechmon-calibrate); default: shipped")
-    p.add_argument("--alpha", type=float, default=2.0, help="spectral-entropy exponent (default 2)")
-    p.add_argument("--qk-method", choices=["gram", "compressed"], default="gram")
+    for name in SHARED_SETTINGS:  # the session's own settings: its help, default and type (checked by ScanConfig)
+        p.add_argument(scan_flag(name), **argparse_kwargs(name))
     p.add_argument("--num-attention-heads", type=int, default=None,
                    help="query heads per layer, when the checkpoint does not record it")
     p.add_argument("--num-query-groups", type=int, default=None, help="key/value groups (GQA); default: MHA")

@@ -3,25 +3,30 @@
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE
+from mechmon_megatron.detect.config_error import ConfigError
 from mechmon_megatron.scan.errors import ScanInputError
-from mechmon_megatron.session.config import MechmonConfig
+from mechmon_megatron.session.config import MechmonConfig, default_of, flag_of
 from mechmon_megatron.session.startup import directory_problem
 
-__all__ = ["ScanConfig", "scan_flags"]
+__all__ = ["SHARED_SETTINGS", "ScanConfig", "scan_error", "scan_flag"]
 
-_SHARED_FLAGS = ("alpha", "false-alarm-rate", "qk-method", "detector-calibration")
+SHARED_SETTINGS = ("false_alarm_rate", "detector_calibration", "alpha", "qk_method")
+"""The ``MechmonConfig`` fields the scan offers as its own flags (``--alpha``: the same help,
+default, type and checks as ``--mechmon-alpha``), in the order of its ``--help``."""
 
 
-def scan_flags(message: str) -> str:
-    """A session message in the scan's flag names: ``--mechmon-alpha`` -> ``--alpha`` (the flags
-    the scan shares with the online session); the online-only ones keep their names."""
-    pattern = r"--mechmon-(" + "|".join(_SHARED_FLAGS) + r")\b"
-    return re.sub(pattern, r"--\1", message)
+def scan_flag(name: str) -> str:
+    """How the scan spells a setting: its own flag (``--alpha``) for the settings it shares with
+    the online session, the session's flag (``--mechmon-short-window``) for the others."""
+    return "--" + name.replace("_", "-") if name in SHARED_SETTINGS else flag_of(name)
+
+
+def scan_error(exc: ConfigError) -> ScanInputError:
+    """A session's refusal, in the scan's flag names."""
+    return ScanInputError(exc.render(scan_flag))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -44,7 +49,7 @@ class ScanConfig:
     """Compare checkpoint t with checkpoint t - window (``--window``, in checkpoints): the
     increment window is ``window`` x the save interval in steps."""
 
-    false_alarm_rate: float = DEFAULT_FALSE_ALARM_RATE
+    false_alarm_rate: float = default_of("false_alarm_rate")
     """Expected false alarms per 10^6 training steps for the whole scan (``--false-alarm-rate``),
     as the online ``--mechmon-false-alarm-rate``."""
 
@@ -52,10 +57,10 @@ class ScanConfig:
     """A null-tail table of your own healthy runs (``--detector-calibration``,
     ``mechmon-calibrate``); default: the shipped table."""
 
-    alpha: float = 2.0
+    alpha: float = default_of("alpha")
     """Spectral-entropy exponent (``--alpha``), as ``--mechmon-alpha``."""
 
-    qk_method: Literal["gram", "compressed"] = "gram"
+    qk_method: Literal["gram", "compressed"] = default_of("qk_method")
     """Kernel of the per-head Delta spectra (``--qk-method``), as ``--mechmon-qk-method``."""
 
     num_attention_heads: Optional[int] = None
@@ -112,8 +117,8 @@ class ScanConfig:
         try:
             MechmonConfig(enabled=True, alpha=self.alpha, false_alarm_rate=self.false_alarm_rate,
                           qk_method=self.qk_method, detector_calibration=self.detector_calibration)
-        except ValueError as exc:
-            raise ScanInputError(scan_flags(str(exc))) from None
+        except ConfigError as exc:
+            raise scan_error(exc) from None
         if self.layers is not None:
             self.layers = tuple(sorted(set(self.layers)))
             if not self.layers or any(isinstance(L, bool) or not isinstance(L, int) or L < 1 for L in self.layers):

@@ -17,15 +17,15 @@ shift began after ``after_iteration``, the earlier checkpoint of the first pair 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from mechmon_megatron.detect.config_error import ConfigError
 from mechmon_megatron.detect.families import FAMILIES
 from mechmon_megatron.detect.pooled_cusum import PooledAlarm
-from mechmon_megatron.scan.errors import ScanInputError
+from mechmon_megatron.scan.config import scan_error, scan_flag
 from mechmon_megatron.scan.pairs import PairRecord
 from mechmon_megatron.scan.schedule import ScanPlan
 from mechmon_megatron.session import names
@@ -156,8 +156,8 @@ def replay(
     config = session_config(plan, false_alarm_rate, calibration)
     try:
         design, table = load_detector_design(config)
-    except ValueError as exc:
-        raise ScanInputError(str(exc).replace("--mechmon-detector-calibration", "--detector-calibration")) from None
+    except ConfigError as exc:
+        raise scan_error(exc) from None
     detector, account = build_detector(config, job_shape(config, [scan_families(attn_layers, router_layers)]),
                                        design, table)
     account["design"] = {"warmup_checks": design.trend.warmup, "baseline_window_checks": design.trend.window,
@@ -181,10 +181,7 @@ def replay(
         ]
         result = detector.update(step, observations)
         for alarm in result.alarms:
-            alert = alert_of(alarm, config, design)
-            # The scan's own flag in the reason (its users never typed the session's).
-            alert = dataclasses.replace(alert, reason=alert.reason.replace("--mechmon-false-alarm-rate",
-                                                                           "--false-alarm-rate"))
+            alert = alert_of(alarm, config, design, spell=scan_flag)  # the scan's own flags in the reason
             anomalies.append(Anomaly(after_iteration=_after_iteration(alarm, plan), before_iteration=step,
                                      alert=alert))
         values.scalars.update({f"{names.DETECT_PREFIX}/{k}": v for k, v in result.statistics.items()})

@@ -19,8 +19,9 @@ from typing import Any, Optional
 
 import torch
 
+from mechmon_megatron.detect.config_error import ConfigError
 from mechmon_megatron.scan.cache import PairCache, fingerprint
-from mechmon_megatron.scan.config import ScanConfig, scan_flags
+from mechmon_megatron.scan.config import ScanConfig, scan_error
 from mechmon_megatron.scan.errors import ScanInputError
 from mechmon_megatron.scan.outputs import manifest
 from mechmon_megatron.scan.outputs.report import write_report
@@ -218,8 +219,8 @@ def _check_detector(config: ScanConfig, plan: ScanPlan, layers: list[int], route
     shape = {family: len(numbers) for family, numbers in scan_families(layers, routers).items()}
     try:
         check_detector(online, shape)
-    except ValueError as exc:
-        raise ScanInputError(scan_flags(str(exc))) from None
+    except ConfigError as exc:
+        raise scan_error(exc) from None
 
 
 def run_scan(config: ScanConfig) -> dict[str, Any]:

@@ -179,6 +179,24 @@ class AlertReport:
         return body
 
     @classmethod
+    def of_abort(cls, iteration: int, alerts: Sequence[Alert], checkpoints: Sequence[Mapping[str, Any]],
+                 checkpoint_dir: Optional[str], exit_code: Optional[int], action: str) -> AlertReport:
+        """The report of an abort at ``iteration`` with the alerts of its check: the last of
+        ``checkpoints`` (``{"iteration", "path"}``, in save order) saved before the first warning
+        step of any of those alerts is where to roll back to."""
+        starts = [a.iteration if a.first_warning_step is None else a.first_warning_step for a in alerts]
+        first_warning = min(starts) if starts else iteration
+        before = [c for c in checkpoints if c["iteration"] < first_warning]
+        return cls(
+            iteration=iteration,
+            alerts=tuple(alerts),
+            checkpoint_dir=checkpoint_dir,
+            last_checkpoint_before_first_warning=dict(before[-1]) if before else None,
+            exit_code=exit_code,
+            action=action,
+        )
+
+    @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> AlertReport:
         """The report of :meth:`to_json`'s dict. A body without ``alerts`` (hand-written, with the
         top-level keys only) holds one alert, read from those keys. ``KeyError``, ``TypeError`` or

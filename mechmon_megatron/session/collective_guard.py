@@ -43,7 +43,6 @@ A byte counter (:class:`CommCounter`) records what each monitor collective moves
 
 from __future__ import annotations
 
-import logging
 import pickle
 import time
 from dataclasses import asdict, dataclass
@@ -53,7 +52,9 @@ from typing import Any, Callable, Optional, TypeVar
 import torch
 import torch.distributed as dist
 
-logger = logging.getLogger(__name__)
+from mechmon_megatron.session.log import mechmon_log
+
+log = mechmon_log(__name__)
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -170,7 +171,8 @@ class CollectiveGuard:
 
     One per process (:func:`guard`), as ``torch.distributed`` keeps one default group per process:
     a rank is one process, and a down communicator is down for every session the process builds
-    (DeepSpeed's adapter builds a fresh session after a load).
+    (DeepSpeed's adapter builds a fresh session after a load). The host looks it up once and
+    passes it to its communicator, its sites and its session.
     """
 
     def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
@@ -193,7 +195,7 @@ class CollectiveGuard:
     def configure(self, timeout_s: float) -> None:
         """Set the timeout for the groups created from now on (start-up, before any monitor collective)."""
         if self._groups and float(timeout_s) != self.timeout_s:
-            logger.warning("[mechmon] --mechmon-collective-timeout %g s: mechmon's process groups already exist with "
+            log.warning("--mechmon-collective-timeout %g s: mechmon's process groups already exist with "
                            "%g s, which stays", timeout_s, self.timeout_s)
             return
         self.timeout_s = float(timeout_s)
@@ -496,7 +498,8 @@ _GUARD = CollectiveGuard()
 
 
 def guard() -> CollectiveGuard:
-    """This process's :class:`CollectiveGuard`."""
+    """This process's :class:`CollectiveGuard`. Looked up once per host, where it builds its
+    communicator and session; the session, the communicators and the sites receive it from there."""
     return _GUARD
 
 
@@ -505,14 +508,3 @@ def reset_guard(timeout_s: float = DEFAULT_TIMEOUT_S) -> CollectiveGuard:
     global _GUARD
     _GUARD = CollectiveGuard(timeout_s)
     return _GUARD
-
-
-def all_ok(ok: bool, group: Any, device: Optional[torch.device] = None) -> bool:
-    """:meth:`CollectiveGuard.all_ok` of this process's guard (``device`` is implied by the group)."""
-    return guard().all_ok(ok, group)
-
-
-def guarded_collective(local: Callable[[], T], collective: Callable[[T], R], group: Any, what: str,
-                       device: Optional[torch.device] = None) -> R:
-    """:meth:`CollectiveGuard.guarded` of this process's guard."""
-    return guard().guarded(local, collective, group, what)

@@ -15,8 +15,9 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional
 
+from mechmon_megatron.detect.config_error import ConfigError, Spelling, literal, substitute
 from mechmon_megatron.detect.families import FAMILIES, FamilySpec, family_spec
-from mechmon_megatron.detect.null_model import JobShape, TailTable, load_tail_table, thresholds_for_job
+from mechmon_megatron.detect.null_model import TAIL_LEVELS, JobShape, TailTable, load_tail_table, thresholds_for_job
 from mechmon_megatron.detect.pooled_cusum import (
     MIN_WARMUP_CHECKS,
     WARMUP_STEPS,
@@ -26,7 +27,7 @@ from mechmon_megatron.detect.pooled_cusum import (
     default_sequential_config,
 )
 from mechmon_megatron.session.alert import Alert
-from mechmon_megatron.session.config import MechmonConfig
+from mechmon_megatron.session.config import MechmonConfig, flag_of
 
 if TYPE_CHECKING:  # annotations only: the start-up check (session/startup.py) runs without torch
     from mechmon_megatron.session.host import AttentionSite, RouterSite
@@ -62,22 +63,24 @@ def job_shape(config: MechmonConfig, per_rank: Iterable[Mapping[str, Sequence[in
 
 def detector_families(config: MechmonConfig) -> tuple[str, ...]:
     """The detector families this configuration can feed: every family that is not optional
-    (the shipped calibration covers them), plus each optional one whose flag is on
-    (``--mechmon-short-window``) when its monitor is (``FamilySpec.optional``)."""
+    (the shipped calibration covers them), plus each optional one whose switch is on
+    (``short_window``) when its monitor is (``FamilySpec.optional``)."""
     return tuple(spec.name for spec in FAMILIES
                  if not spec.optional or (switched_on(config, spec) and spec.monitor in config.monitors))
 
 
-def families_without_signal(config: MechmonConfig, shape: JobShape) -> dict[str, str]:
+def families_without_signal(config: MechmonConfig, shape: JobShape,
+                            spell: Spelling = flag_of) -> dict[str, str]:
     """Families this configuration could feed that no layer of the job feeds, with why: they are
     left out of the union bound (``JobShape`` counts only the families it has), and the session
-    says so once at start-up rather than judging a silent zero."""
+    says so once at start-up rather than judging a silent zero. Settings are named in ``spell``."""
     out: dict[str, str] = {}
     for family in detector_families(config):
         if not shape.layers.get(family):
             spec = family_spec(family)
-            # A family its flag switched off says so; otherwise nothing of its monitor was found.
-            out[family] = spec.flag if spec.flag is not None and not switched_on(config, spec) else spec.no_signal
+            # A family its switch turned off says so; otherwise nothing of its monitor was found.
+            off = spec.switch is not None and not switched_on(config, spec)
+            out[family] = spell(spec.switch) if off and spec.switch else substitute(spec.no_signal, spell)
     return out
 
 
@@ -159,39 +162,67 @@ def arming_line(config: MechmonConfig, design: SequentialConfig, start: int, fam
 
 def load_detector_design(config: MechmonConfig) -> tuple[SequentialConfig, TailTable]:
     """The detector's design for this schedule and its null tails, checked at start-up: a bad
-    calibration file stops the job naming the flag, before any training step; a calibration
-    without the tails of a family an option asks for stops it naming the family and the option."""
+    calibration file stops the job naming the setting (``ConfigError``, ``detector_calibration``),
+    before any training step; a calibration without the tails of a family an option asks for
+    stops it naming the family and the option (its switch, or ``detector_shewhart``)."""
     design = dataclasses.replace(default_sequential_config(config.interval), shewhart=config.detector_shewhart)
-    source = config.detector_calibration or "the shipped null_tails.json"
+    source = literal(config.detector_calibration or "the shipped null_tails.json")
     families = detector_families(config)
     try:
         table = load_tail_table(config.detector_calibration)
         for family in families:  # every family must have a tail at this overlap
             if family_spec(family).optional:
                 continue  # checked below, with the option's own message
-            table.tail(config.overlap, family, "layer")
+            _check_tails(table, config.overlap, family, shewhart=False)
     except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
-        raise ValueError(f"--mechmon-detector-calibration: no usable null-tail table in {source}: {exc}") from None
+        raise ConfigError("detector_calibration",
+                          f": no usable null-tail table in {source}: {literal(exc)}") from None
     for family in (f for f in families if family_spec(f).optional):
-        flag = family_spec(family).flag
+        switch = family_spec(family).switch
         try:
             table.tail(config.overlap, family, "layer")
         except KeyError:
-            raise ValueError(
-                f"{flag}: the calibration {source} has no null tail for detector family "
-                f"{family!r}; fit one with mechmon-calibrate on healthy runs recorded with "
-                f"{flag} and pass it with --mechmon-detector-calibration, or drop the flag"
+            raise ConfigError(
+                str(switch),
+                f": the calibration {source} has no null tail for detector family {family!r}; fit one with "
+                f"mechmon-calibrate on healthy runs recorded with ${switch} and pass it with "
+                "$detector_calibration, or drop the flag",
             ) from None
+        try:
+            _check_tails(table, config.overlap, family, shewhart=False)
+        except ValueError as exc:
+            raise ConfigError("detector_calibration",
+                              f": no usable null-tail table in {source}: {literal(exc)}") from None
     if design.shewhart:
         try:
             for family in families:
                 table.shewhart_tail(config.overlap, family, "layer")
         except KeyError as exc:
-            raise ValueError(
-                f"--mechmon-detector-shewhart: the calibration {source} has no Shewhart tails ({exc.args[0]}); "
-                "refit it with mechmon-calibrate (it writes a `shewhart` section) or drop the flag."
+            raise ConfigError(
+                "detector_shewhart",
+                f": the calibration {source} has no Shewhart tails ({literal(exc.args[0])}); refit it with "
+                "mechmon-calibrate (it writes a `shewhart` section) or drop the flag.",
             ) from None
+        try:
+            for family in families:
+                _check_tails(table, config.overlap, family, shewhart=True)
+        except ValueError as exc:
+            raise ConfigError("detector_calibration",
+                              f": no usable null-tail table in {source}: {literal(exc)}") from None
     return design, table
+
+
+def _check_tails(table: TailTable, overlap: int, family: str, shewhart: bool) -> None:
+    """The tails of ``family`` at ``overlap`` that ``thresholds_for_job`` reads (both levels; the
+    ``family`` level falls back to the ``layer`` tail of the same measured overlap): present
+    (``KeyError``) and bounded, every probability in (0, 1) with a finite threshold (``ValueError``).
+    With these, a per-test probability in (0, 1) is all ``thresholds_for_job`` needs."""
+    for level in TAIL_LEVELS:
+        tail, _ = table.shewhart_tail(overlap, family, level) if shewhart else table.tail(overlap, family, level)
+        if not tail.bounded():
+            kind = "Shewhart tail" if shewhart else "tail"
+            raise ValueError(f"the {kind} of {family!r} ({level} test) at overlap {overlap} has theta "
+                             f"{tail.theta:.3g}, too small for a finite threshold")
 
 
 def build_detector(
@@ -213,8 +244,9 @@ def _head_index(member: str) -> Optional[int]:
     return int(member[5:]) if member.startswith("head_") and member[5:].isdigit() else None
 
 
-def alert_of(alarm: PooledAlarm, config: MechmonConfig, design: SequentialConfig) -> Alert:
-    """The alert record of a fired alarm.
+def alert_of(alarm: PooledAlarm, config: MechmonConfig, design: SequentialConfig,
+             spell: Spelling = flag_of) -> Alert:
+    """The alert record of a fired alarm (``spell``: how its reason names the settings).
 
     ``first_warning_step`` is the earliest step the shift can have begun: for a CUSUM alarm the
     first check after the CUSUM's last zero saw the window ``(change + interval - delta, ...]``;
@@ -234,7 +266,7 @@ def alert_of(alarm: PooledAlarm, config: MechmonConfig, design: SequentialConfig
                 if alarm.kind == "shewhart" else f"CUSUM {alarm.statistic:.3g} > {alarm.threshold:.3g}")
         reason = (
             f"{alarm.family} shifted towards collapse: {test} "
-            f"({alarm.level} test; set by --mechmon-false-alarm-rate {config.false_alarm_rate:g})"
+            f"({alarm.level} test; set by {spell('false_alarm_rate')} {config.false_alarm_rate:g})"
         )
     elif alarm.kind == "limit":
         stream = f"{alarm.family}/layer_{layer}"

@@ -3,25 +3,43 @@
 A monitor must never kill or hang training. Every phase of a check (reads and gathers, snapshot
 copies, kernels, router summaries, the decision, the writers) runs through :meth:`FailureLog.run`,
 which catches the exception, counts it (``mechmon/errors``), logs it with rank, phase and layer,
-and keeps a :class:`PhaseFailure` record. The records travel with the rank's payload to the writer
-in the gather that every check already does, and the writer's verdict returns to every rank in
-the decision broadcast. So every rank takes the same branch: training goes on, or -- with
-``--mechmon-strict`` -- every rank raises the same :class:`MechmonStrictError` at the same
-iteration, also when the launcher would not tear the job down (srun without torchrun).
+and keeps a :class:`PhaseFailure` record; it returns the function's value or :data:`FAILED`
+(typed :data:`Outcome`: a caller narrows it with ``is FAILED``). The records travel with the
+rank's payload to the writer in the gather that every check already does, and the writer's
+verdict returns to every rank in the decision broadcast. So every rank takes the same branch:
+training goes on, or -- with ``--mechmon-strict`` -- every rank raises the same
+:class:`MechmonStrictError` at the same iteration, also when the launcher would not tear the job
+down (srun without torchrun).
 """
 
 from __future__ import annotations
 
-import logging
+import enum
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Final, Literal, Optional, TypeVar, Union
 
 from mechmon_megatron.session.collective_guard import CollectivesOff
+from mechmon_megatron.session.log import mechmon_log
 
-logger = logging.getLogger(__name__)
+log = mechmon_log(__name__)
 
-FAILED: Any = type("Failed", (), {"__repr__": lambda self: "<mechmon: phase failed>"})()
+T = TypeVar("T")
+
+
+class Failed(enum.Enum):
+    """The type of :data:`FAILED` (one member: ``x is FAILED`` narrows ``Union[T, Failed]`` to ``T``)."""
+
+    FAILED = "failed"
+
+    def __repr__(self) -> str:
+        return "<mechmon: phase failed>"
+
+
+FAILED: Final = Failed.FAILED
 """Returned by :meth:`FailureLog.run` instead of the function's value when it raised."""
+
+Outcome = Union[T, Literal[Failed.FAILED]]
+"""What :meth:`FailureLog.run` returns: the function's value, or :data:`FAILED`."""
 
 
 class MechmonStrictError(RuntimeError):
@@ -69,7 +87,7 @@ class FailureLog:
         self.first_of_phase: dict[str, PhaseFailure] = {}
         self._logged: set[tuple[str, Optional[int], str]] = set()
 
-    def run(self, phase: str, layer: Optional[int], iteration: int, fn: Callable[..., Any], *args: Any) -> Any:
+    def run(self, phase: str, layer: Optional[int], iteration: int, fn: Callable[..., T], *args: Any) -> Outcome[T]:
         """``fn(*args)``, or :data:`FAILED` after recording the exception (never raises)."""
         try:
             return fn(*args)
@@ -91,10 +109,10 @@ class FailureLog:
         # writer's one line per QUIET_REPORT_EVERY checks says that the monitors stay off).
         kind = (phase, layer, type(exc).__name__)
         if kind in self._logged:
-            logger.debug("[mechmon] monitor failure again (%s): %s", then, failure.describe())
+            log.debug("monitor failure again (%s): %s", then, failure.describe())
         else:
             self._logged.add(kind)
-            logger.error("[mechmon] monitor failure (%s): %s", then, failure.describe(), exc_info=exc)
+            log.error("monitor failure (%s): %s", then, failure.describe(), exc_info=exc)
         return failure
 
     def take(self) -> list[PhaseFailure]:
@@ -124,7 +142,7 @@ class QuietMonitors:
         """Record this check; True when it was active."""
         if not failures:
             if self.quiet_checks:
-                logger.warning("[mechmon] monitors running again at iteration %d after %d checks without them",
+                log.warning("monitors running again at iteration %d after %d checks without them",
                                iteration, self.quiet_checks)
             self.quiet_checks, self.since = 0, None
             return True
@@ -132,8 +150,8 @@ class QuietMonitors:
             self.since = iteration
         if self.quiet_checks % self.every == 0:
             roots = sorted(failures, key=lambda f: f.error.startswith("PeerFailure"))
-            logger.error(
-                "[mechmon] the monitors did not run at %d check(s) in a row (since iteration %d; mechmon/active = 0): "
+            log.error(
+                "the monitors did not run at %d check(s) in a row (since iteration %d; mechmon/active = 0): "
                 "%s%s. Training is NOT being watched; --mechmon-strict stops the job instead",
                 self.quiet_checks + 1, self.since, roots[0].describe(),
                 f" (+{len(roots) - 1} more at this check)" if len(roots) > 1 else "",

@@ -6,7 +6,6 @@ records. The session never looks at host modules itself.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence
 
@@ -17,8 +16,6 @@ from mechmon_megatron.monitors.norm_fold import NormFold
 from mechmon_megatron.monitors.router import summarize_routing
 from mechmon_megatron.session import collective_guard, payload_codec
 from mechmon_megatron.session.records import Verdict
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -183,10 +180,13 @@ REPORTING = "reporting"
 
 class Communicator(Protocol):
     """Collectives the session needs across the whole job (every rank calls each, same order,
-    except :meth:`gather_reports`, which only the reporting ranks and the writer call)."""
+    except :meth:`gather_reports`, which only the reporting ranks and the writer call).
+    ``guard``: the process's :class:`~mechmon_megatron.session.collective_guard.CollectiveGuard`,
+    which every collective runs through (the session uses the same one)."""
 
     is_writer: bool
     rank: int
+    guard: collective_guard.CollectiveGuard
 
     def set_reporting(self, reports: bool) -> None:
         """Start-up, before the session makes its groups: whether this rank sends records at checks."""
@@ -210,11 +210,20 @@ class Communicator(Protocol):
         rank's problem if the job chose ``c``; None: none), the same on every rank."""
 
 
+def process_guard(guard: Optional[collective_guard.CollectiveGuard]) -> collective_guard.CollectiveGuard:
+    """``guard``, or this process's (``collective_guard.guard()``): a communicator built without one
+    (a test, a tool) uses the process's, as every host's does."""
+    return guard if guard is not None else collective_guard.guard()
+
+
 class LocalCommunicator:
     """Single process: this rank is the writer."""
 
     is_writer = True
     rank = 0
+
+    def __init__(self, guard: Optional[collective_guard.CollectiveGuard] = None) -> None:
+        self.guard = process_guard(guard)
 
     def set_reporting(self, reports: bool) -> None:
         return None
@@ -250,8 +259,9 @@ class TorchDistributedCommunicator:
     """torch.distributed over a process group (default: WORLD); writer = a given global rank.
 
     Megatron-LM's TensorBoard writer lives on the last rank, hence the default ``writer_rank=-1``.
-    Every collective runs through this process's :class:`~mechmon_megatron.session.collective_guard.CollectiveGuard`
-    (mechmon's own copy of ``group``, bounded by ``--mechmon-collective-timeout``).
+    Every collective runs through ``guard`` (default: this process's
+    :class:`~mechmon_megatron.session.collective_guard.CollectiveGuard`), on mechmon's own copy of
+    ``group``, bounded by ``--mechmon-collective-timeout``.
 
     ``owner_group``: the host group whose reporting ranks first send their records to one owner
     (the tensor-parallel group: :meth:`gather_reports` in two levels); None: every reporting rank
@@ -259,10 +269,10 @@ class TorchDistributedCommunicator:
     """
 
     def __init__(self, group: Any = None, writer_rank: int = -1, device: Optional[torch.device] = None,
-                 owner_group: Any = None) -> None:
+                 owner_group: Any = None, guard: Optional[collective_guard.CollectiveGuard] = None) -> None:
         import torch.distributed as dist
 
-        self.guard = collective_guard.guard()
+        self.guard = process_guard(guard)
         self.guard.declare(group)
         self._group = group
         world = dist.get_world_size(group)

@@ -6,7 +6,8 @@
 * :class:`NonFinite` -- a non-finite weight or logit report, naming its layer;
 * :class:`CheckOutput` -- what one site's check returns: scalars, streams, non-finite reports;
 * :class:`Payload` -- what one reporting rank sends the writer at a check;
-* :class:`Verdict` -- the writer's decision, returned to every rank.
+* :class:`Verdict` -- the writer's decision, returned to every rank;
+* :class:`Decision` -- what the host must do after a step (the session's ``on_step_end``).
 
 A stream names its own detector family (``detect/families.py``): no name parsing online.
 
@@ -107,6 +108,19 @@ class Verdict:
     @property
     def carries_objects(self) -> bool:
         return bool(self.alerts) or self.stop is not None
+
+
+@dataclass
+class Decision:
+    """What the host must do after a step. ``abort``: save on every rank, then exit."""
+
+    iteration: int
+    alarm: bool = False
+    abort: bool = False
+    exit_code: int = 0
+    alerts: list[Alert] = field(default_factory=list)
+    stop: Optional[str] = None
+    """Set under ``--mechmon-strict`` when a monitor failed on some rank: every rank raises it."""
 
 
 def merge_partials(partials: list[dict[str, Partial]]) -> dict[str, float]:

@@ -37,12 +37,13 @@ from mechmon_megatron.session.host import RouterSite
 from mechmon_megatron.session.records import CheckOutput, NonFinite, Partial, Stream
 
 NON_SOFTMAX_FLOOR_NOTICE = (
-    "[mechmon] MoE routers with the {score} score function (layers {layers}): the routing entropy is that of "
+    "MoE routers with the {score} score function (layers {layers}): the routing entropy is that of "
     "the normalised scores p_e = s(z_e) / sum_j s(z_j) (expert bias excluded; docs/METHOD.md section 6), and "
     "the absolute routing-entropy floor (--mechmon-router-min-effective-experts) is off for them: it is "
     "argued for softmax routers only. Their entropy is judged against its own baseline."
 )
-"""Logged once at start-up by the adapter that builds non-softmax router sites."""
+"""Logged once at start-up by the adapter that builds non-softmax router sites (with the ``[mechmon]``
+prefix of ``session/log.py``)."""
 
 
 def entropy_floor_applies(site: RouterSite) -> bool:

@@ -17,7 +17,6 @@ held at once (a ring keyed by the check step they serve). Lifecycle rules:
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import replace
 from typing import Callable, Optional, Sequence, Union
@@ -27,8 +26,9 @@ import torch
 from mechmon_megatron.monitors.norm_fold import NormFold
 from mechmon_megatron.session.config import MechmonConfig
 from mechmon_megatron.session.host import AttentionSite, FullQK, MLAHeads, QKWeights
+from mechmon_megatron.session.log import mechmon_log
 
-logger = logging.getLogger(__name__)
+log = mechmon_log(__name__)
 
 MIB = 1024 * 1024
 
@@ -114,7 +114,7 @@ def choose_placement(config: MechmonConfig, nbytes: Optional[int], device: torch
     setting = config.snapshot_device
     if device.type != "cuda":
         if setting == "pinned":
-            logger.warning("[mechmon] --mechmon-snapshot-device pinned needs a CUDA device; the weights are on %s, "
+            log.warning("--mechmon-snapshot-device pinned needs a CUDA device; the weights are on %s, "
                            "so snapshots use ordinary host memory", device)
         placement = "cpu" if setting in ("cpu", "pinned") else "device"
     elif setting != "auto":

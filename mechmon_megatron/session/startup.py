@@ -10,19 +10,24 @@ about at once (the monitors would then be off while the job looks watched):
 * the calibration file (``--mechmon-detector-calibration``: JSON, schema, finite positive
   ``theta``, known overlaps, families and levels; a tail for every family at this overlap);
 * derived quantities: the per-test false-alarm probability ``R / (N C)`` of the job's tests must
-  lie in (0, 1), and the thresholds must follow from it;
+  lie in (0, 1) and below every family's measured ``P0(S > u0)``: then the thresholds follow
+  (:func:`check_detector` says why without computing them);
 * combinations: ``checkpoint-and-abort`` needs a save folder the host will write; the router
-  monitors refuse a CUDA-graphed router (``session/host_settings.py``);
+  monitors refuse a CUDA-graphed router (``session/host_settings.py``) and a routing-entropy
+  floor above the router's experts (when the host knows them);
   ``--mechmon-log-dir`` must be (or become) a writable folder; ``--mechmon-collective-timeout``
   below half of the host's own collective timeout;
 * the schedule against the run: a check interval, window or drill step that never happens
   within ``--train-iters`` is a warning saying nothing will be checked; more than
   :data:`QUIET_SNAPSHOT_SETS` snapshot sets held at once is a warning with their memory.
 
-Errors are ``ValueError`` with one line naming the flag (or the file); the host turns them into
-exit status 2 without a traceback. Warnings are returned as lines for the host to log once, on
-rank 0, through :func:`log_startup_warnings`; when the session is built, every host says what it
-watches through :func:`log_monitoring`, so a job prints the same start-up lines on every host.
+Errors are :class:`~mechmon_megatron.detect.config_error.ConfigError` naming the setting by its
+field; the host renders it in one line with its own spelling (``--mechmon-interval``,
+``ds_config.mechmon.interval``) and turns it into exit status 2 without a traceback. Warnings are
+returned as :class:`~mechmon_megatron.detect.config_error.ConfigNote` for the host to log once, on
+rank 0, in the same spelling, through :func:`log_startup_warnings`; when the session is built,
+every host says what it watches through :func:`log_monitoring`, so a job prints the same start-up
+lines on every host.
 """
 
 from __future__ import annotations
@@ -33,11 +38,12 @@ import os
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
+from mechmon_megatron.detect.config_error import ConfigError, ConfigNote, Spelling, literal
 from mechmon_megatron.detect.families import ATTN_DELTA2, FAMILIES
-from mechmon_megatron.detect.null_model import TAIL_LEVELS, JobShape, per_test_probability, thresholds_for_job
-from mechmon_megatron.session.config import MechmonConfig
+from mechmon_megatron.detect.null_model import TAIL_LEVELS, JobShape, per_test_probability
+from mechmon_megatron.session.config import MechmonConfig, flag_of
 from mechmon_megatron.session.detector_setup import detector_families, load_detector_design, switched_on
 
 __all__ = [
@@ -46,6 +52,7 @@ __all__ = [
     "StartupReport",
     "check_detector",
     "directory_problem",
+    "graphed_router_error",
     "graphed_router_message",
     "job_layers",
     "log_left_out",
@@ -89,12 +96,15 @@ class RunFacts:
     graphed_router: Optional[str] = None
     """The host flags that put the MoE router in a CUDA graph (``host_settings.graphed_router``)."""
 
+    router_experts: Optional[tuple[int, int]] = None
+    """Experts per MoE router and the router's top-k (``--num-experts``, ``--moe-router-topk``)."""
+
 
 @dataclass
 class StartupReport:
     """What :func:`validate_startup` found: the warnings to log once (nothing wrong otherwise)."""
 
-    warnings: list[str] = field(default_factory=list)
+    warnings: list[ConfigNote] = field(default_factory=list)
 
 
 def directory_problem(path: str) -> Optional[str]:
@@ -120,7 +130,9 @@ def directory_problem(path: str) -> Optional[str]:
 
 
 def validate_startup(config: MechmonConfig, facts: RunFacts = RunFacts()) -> StartupReport:
-    """Check everything the session will use later; ``ValueError`` (one line, naming the flag).
+    """The one start-up check of the job (the single-field checks ran when ``config`` was made):
+    everything the session will use later, with what the host knows of the run; ``ConfigError``
+    naming the setting.
 
     A disabled config is not checked further: it builds nothing.
     """
@@ -131,23 +143,25 @@ def validate_startup(config: MechmonConfig, facts: RunFacts = RunFacts()) -> Sta
     if config.log_dir is not None:
         problem = directory_problem(config.log_dir)
         if problem:
-            raise ValueError(f"--mechmon-log-dir {config.log_dir!r} {problem}")
+            raise ConfigError("log_dir", f"{literal(repr(config.log_dir))} {literal(problem)}")
     if config.action == "checkpoint-and-abort" and facts.save_flag is not None:
         _check_save_dir(config, facts)
     _check_collective_timeout(config, facts)
     if "router" in config.monitors and facts.graphed_router:
-        raise ValueError(graphed_router_message(facts.graphed_router))
+        raise graphed_router_error(facts.graphed_router)
+    if "router" in config.monitors and facts.router_experts is not None:
+        config.router_entropy_floor(*facts.router_experts)  # the session checks it again on each router
     report.warnings += _schedule_warnings(config, facts)
     return report
 
 
-def log_startup_warnings(report: StartupReport, rank: int, rename: Optional[Callable[[str], str]] = None) -> None:
+def log_startup_warnings(report: StartupReport, rank: int, spell: Spelling = flag_of) -> None:
     """Rank 0: one ``[mechmon]`` warning line per finding of :func:`validate_startup`, the same
-    lines on every host (``rename``: the host's names for the flags, e.g. DeepSpeed's JSON keys)."""
+    lines on every host, each setting named in the host's ``spell`` (e.g. DeepSpeed's JSON keys)."""
     if rank != 0:
         return
-    for line in report.warnings:
-        logger.warning("[mechmon] %s", rename(line) if rename is not None else line)
+    for note in report.warnings:
+        logger.warning("[mechmon] %s", note.render(spell))
 
 
 def log_monitoring(config: MechmonConfig, attention_layers: int, routers: int, rank: int,
@@ -182,12 +196,17 @@ def log_left_out(left_out: Sequence[Any]) -> None:
                    "; ".join(f"{', '.join(layers)}: {reason}" for reason, layers in by_reason.items()))
 
 
-def graphed_router_message(setting: str) -> str:
+def graphed_router_error(setting: str) -> ConfigError:
     """The refusal of a CUDA-graphed router (``setting``: the host flags that graph it)."""
-    return (f"--mechmon-monitors router cannot watch a CUDA-graphed MoE router ({setting}): a graph replay "
-            "skips the capture in Python, so the router statistics would be missing; leave router out of "
-            "--mechmon-monitors (e.g. --mechmon-monitors attn) or keep the router out of the graph "
-            "(--cuda-graph-scope attn)")
+    return ConfigError("monitors", f"router cannot watch a CUDA-graphed MoE router ({literal(setting)}): a graph "
+                       "replay skips the capture in Python, so the router statistics would be missing; leave router "
+                       "out of $monitors (e.g. $monitors attn) or keep the router out of the graph "
+                       "(--cuda-graph-scope attn)")
+
+
+def graphed_router_message(setting: str) -> str:
+    """:func:`graphed_router_error` in the command line's spelling (the model's own config, Megatron)."""
+    return graphed_router_error(setting).render(flag_of)
 
 
 def job_layers(config: MechmonConfig, num_layers: Optional[int]) -> dict[str, int]:
@@ -201,35 +220,38 @@ def job_layers(config: MechmonConfig, num_layers: Optional[int]) -> dict[str, in
 
 
 def check_detector(config: MechmonConfig, layers: Mapping[str, int]) -> None:
-    """The calibration file, then the thresholds of a job of ``layers`` (family -> layers).
+    """The calibration file, then the false-alarm rate of a job of ``layers`` (family -> layers).
 
-    ``ValueError`` naming the flag when the file is no table, when the per-test probability is
-    not in (0, 1), or when it lies beyond the measured tail of some family (above its
-    ``P0(S > u0)``: the threshold would fall to the bottom of the fit, alarming on nearly every
-    check, and the false-alarm rate would no longer be what was asked for).
+    ``ConfigError`` when the file is no table (``detector_calibration``), when the per-test
+    probability is not in (0, 1), or when it lies beyond the measured tail of some family (above
+    its ``P0(S > u0)``: the threshold would fall to the bottom of the fit, alarming on nearly every
+    check, and the false-alarm rate would no longer be what was asked for) (``false_alarm_rate``).
+
+    The thresholds themselves are not computed here (the session computes them once, from the
+    job's real shape, ``detector_setup.build_detector``): what passes is enough for
+    ``thresholds_for_job`` to succeed. It raises only when the per-test probability is not in
+    (0, 1) (checked here, ``per_test_probability``; halved for a Shewhart split, and capped at 0.5
+    times a factor >= 1 for the warnings: still in (0, 1)), when a family's tail at this overlap is
+    missing, at either level, or when some probability in (0, 1) gets no finite threshold from it
+    (checked by ``load_detector_design`` on every family this configuration can feed, a superset
+    of the job's, and on the Shewhart tails when they are asked for: ``NullTail.bounded``).
     """
-    _, table = load_detector_design(config)  # names the flag and the file
+    _, table = load_detector_design(config)  # names the setting and the file
     shape = JobShape(layers=dict(layers), interval=config.interval, overlap=config.overlap)
     rate = config.false_alarm_rate
-    try:
-        per_test = per_test_probability(shape, rate)
-        thresholds_for_job(shape, rate, table)
-    except (ValueError, ArithmeticError) as exc:
-        message = str(exc)
-        if not message.startswith("--mechmon-"):
-            message = f"--mechmon-false-alarm-rate {rate:g}: no detector thresholds follow ({exc})"
-        raise ValueError(message) from None
+    per_test = per_test_probability(shape, rate)
     floors = {(family, level): table.tail(config.overlap, family, level)[0].log_p_u0
               for family in detector_families(config) for level in TAIL_LEVELS}
     (family, level), lowest = min(floors.items(), key=lambda item: item[1])
     if math.log(per_test) >= lowest:
         most = math.exp(lowest) * max(1, shape.num_tests()) * shape.checks_per_million()
-        source = config.detector_calibration or "shipped"
-        raise ValueError(
-            f"--mechmon-false-alarm-rate {rate:g} is beyond the measured null tails: each test would alarm "
-            f"falsely with probability {per_test:.3g} per check, more than P0(S > u0) = {math.exp(lowest):.3g} "
-            f"of {family} ({level} test, --mechmon-detector-calibration {source}); use a rate below "
-            f"{most:.3g} per 10^6 steps for a check every {config.interval} steps"
+        source = literal(config.detector_calibration or "shipped")
+        raise ConfigError(
+            "false_alarm_rate",
+            f"{rate:g} is beyond the measured null tails: each test would alarm falsely with probability "
+            f"{per_test:.3g} per check, more than P0(S > u0) = {math.exp(lowest):.3g} of {family} ({level} test, "
+            f"$detector_calibration {source}); use a rate below {most:.3g} per 10^6 steps for a check every "
+            f"{config.interval} steps",
         )
 
 
@@ -239,53 +261,58 @@ def _check_collective_timeout(config: MechmonConfig, facts: RunFacts) -> None:
     host's timeout fires (``session/collective_guard.py``)."""
     host = facts.host_timeout_s
     if host is not None and config.collective_timeout >= 0.5 * host:
-        raise ValueError(
-            f"--mechmon-collective-timeout {config.collective_timeout:g} s must be below half of the host's "
-            f"{facts.host_timeout_flag} ({host:g} s): a rank whose monitor collective failed trains on, and its "
-            "peers must give up the monitor collective and rejoin training before the host's own timeout fires"
+        raise ConfigError(
+            "collective_timeout",
+            f"{config.collective_timeout:g} s must be below half of the host's {literal(facts.host_timeout_flag)} "
+            f"({host:g} s): a rank whose monitor collective failed trains on, and its peers must give up the "
+            "monitor collective and rejoin training before the host's own timeout fires",
         )
 
 
 def _check_save_dir(config: MechmonConfig, facts: RunFacts) -> None:
-    flag = facts.save_flag
+    flag = literal(facts.save_flag)
     if not facts.save_dir:
-        raise ValueError(
-            f"--mechmon-action checkpoint-and-abort saves a checkpoint at the alarm, but {flag} is not set: the "
-            f"progress since the last save would be lost; set {flag} DIR, or choose --mechmon-action warn"
+        raise ConfigError(
+            "action",
+            f"checkpoint-and-abort saves a checkpoint at the alarm, but {flag} is not set: the progress since the "
+            f"last save would be lost; set {flag} DIR, or choose $action warn",
         )
     problem = directory_problem(facts.save_dir)
     if problem:
-        raise ValueError(
-            f"--mechmon-action checkpoint-and-abort needs a checkpoint folder it can write, but {flag} "
-            f"{facts.save_dir!r} {problem}"
+        raise ConfigError(
+            "action",
+            f"checkpoint-and-abort needs a checkpoint folder it can write, but {flag} "
+            f"{literal(repr(facts.save_dir))} {literal(problem)}",
         )
 
 
-def _schedule_warnings(config: MechmonConfig, facts: RunFacts) -> list[str]:
-    out: list[str] = []
+def _schedule_warnings(config: MechmonConfig, facts: RunFacts) -> list[ConfigNote]:
+    out: list[ConfigNote] = []
     iters = facts.train_iters
     attn = "attn" in config.monitors
     if iters is not None and iters >= 1:
         if config.interval > iters:
-            out.append(f"--mechmon-interval {config.interval} > --train-iters {iters}: no check runs in this job, "
-                       "nothing will be checked")
+            out.append(ConfigNote("interval", f"{config.interval} > --train-iters {iters}: no check runs in this "
+                                              "job, nothing will be checked"))
         elif attn:
             first = config.interval * math.ceil(config.delta / config.interval)  # first check with a snapshot
             if first > iters:
-                out.append(
-                    f"--mechmon-delta {config.delta}: the first attention check (iteration {first}, once a "
-                    f"snapshot {config.delta} steps old exists) comes after --train-iters {iters}: the attention "
-                    "monitors will check nothing in this job"
-                )
+                out.append(ConfigNote(
+                    "delta",
+                    f"{config.delta}: the first attention check (iteration {first}, once a snapshot {config.delta} "
+                    f"steps old exists) comes after --train-iters {iters}: the attention monitors will check "
+                    "nothing in this job",
+                ))
         if config.drill_at is not None and config.drill_at > iters:
-            out.append(f"--mechmon-drill-at {config.drill_at} > --train-iters {iters}: the drill will never run")
+            out.append(ConfigNote("drill_at", f"{config.drill_at} > --train-iters {iters}: the drill will never run"))
     if attn and config.overlap > QUIET_SNAPSHOT_SETS:
         memory = ""
         if facts.snapshot_set_bytes:
             total = facts.snapshot_set_bytes * config.overlap
             memory = f", about {total / MIB:.0f} MiB per rank ({facts.snapshot_set_bytes / MIB:.1f} MiB each)"
-        out.append(
-            f"--mechmon-delta {config.delta} / --mechmon-interval {config.interval}: {config.overlap} snapshot sets "
-            f"of the Q/K weights are held at once{memory}; a delta of a few intervals holds fewer"
-        )
+        out.append(ConfigNote(
+            "delta",
+            f"{config.delta} / $interval {config.interval}: {config.overlap} snapshot sets of the Q/K weights are "
+            f"held at once{memory}; a delta of a few intervals holds fewer",
+        ))
     return out

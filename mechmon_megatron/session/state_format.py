@@ -23,22 +23,30 @@ The ShardedObject is built and read back by
 rank's holds the detector, every rank's its own error count (``mechmon/errors`` sums them) and the
 checkpoint list; each rank restores its own.
 
-Older formats still load, each with one notice per process (:data:`LEGACY_FORMATS`): the example
-trainer's ``extra["callbacks"]["mechmon"]`` (mechmon <= 0.3) and its per-rank extra file's
-``mechmon`` key; the Megatron-LM adapter's ``iter_XXXXXXX/mechmon_state.json`` (the writer rank's
-state only, read by every rank) and its per-rank JSON files beside a torch_dist checkpoint;
-DeepSpeed's single ``client_state["mechmon"]`` of the saving rank (every rank loads it).
+The state inside the entry is ``MonitorState.to_dict()`` (``session/saved_state.py``).
+
+Older formats still load, each with one notice per process (:data:`LEGACY_FORMATS`), and every
+reader of an older container or file layout is here, the hosts calling it: the example trainer's
+``extra["callbacks"]["mechmon"]`` (mechmon <= 0.3, :func:`state_of`) and its per-rank extra file's
+``mechmon`` key (:func:`trainer_extra_state`); the Megatron-LM adapter's
+``iter_XXXXXXX/mechmon_state.json`` (the writer rank's state only, read by every rank) and its
+per-rank JSON files beside a torch_dist checkpoint (:func:`megatron_lm_file_state`); DeepSpeed's
+single ``client_state["mechmon"]`` of the saving rank (every rank loads it, :func:`own_state`).
 """
 
 from __future__ import annotations
 
-import logging
+import json
+import os
 from collections.abc import Mapping
 from typing import Any, Optional
 
-__all__ = ["LEGACY_FORMATS", "PER_RANK_FORMAT", "STATE_KEY", "legacy_notice", "own_state", "per_rank", "state_of"]
+from mechmon_megatron.session.log import mechmon_log
 
-logger = logging.getLogger(__name__)
+__all__ = ["LEGACY_FORMATS", "MEGATRON_LM_SINGLE_FILE", "PER_RANK_FORMAT", "STATE_KEY", "legacy_notice",
+           "megatron_lm_file_state", "own_state", "per_rank", "state_of", "trainer_extra_state"]
+
+log = mechmon_log(__name__)
 
 STATE_KEY = "mechmon"
 """The one key of mechmon's state in a host checkpoint container."""
@@ -61,7 +69,7 @@ def legacy_notice(kind: str, where: str) -> None:
     if kind in _noticed:
         return
     _noticed.add(kind)
-    logger.warning("[mechmon] %s holds mechmon state in an older format (%s); loaded, and the next checkpoint "
+    log.warning("%s holds mechmon state in an older format (%s); loaded, and the next checkpoint "
                    "is saved in the current one (key %r)", where, LEGACY_FORMATS[kind], STATE_KEY)
 
 
@@ -107,8 +115,42 @@ def own_state(entry: Optional[Mapping[str, Any]], rank: int, where: str) -> Opti
             raise ValueError(f"{where}: the {STATE_KEY!r} entry has no per-rank states")
         state = ranks.get(rank)
         if state is None:
-            logger.warning("[mechmon] %s holds no mechmon state of rank %d (saved by %d ranks): this rank starts "
-                           "afresh", where, rank, len(ranks))
+            log.warning("%s holds no mechmon state of rank %d (saved by %d ranks): this rank starts afresh", where,
+                        rank, len(ranks))
         return dict(state) if state is not None else None
     legacy_notice("deepspeed-single", where)
     return dict(entry)
+
+
+# ---------------------------------------------------------------------------- the hosts' older layouts
+MEGATRON_LM_SINGLE_FILE = "mechmon_state.json"
+"""The Megatron-LM adapter's older single file of the writer rank's state, ``iter_XXXXXXX/mechmon_state.json``
+(mechmon <= 0.3): still read on resume."""
+
+
+def megatron_lm_file_state(rank_file: str, directory: str, older: bool) -> Optional[dict]:
+    """This rank's state from the Megatron-LM adapter's files in ``directory`` (its ``iter_XXXXXXX``):
+    its own JSON file ``rank_file`` (``{"mechmon": state}``), else the older single file of the
+    writer rank (:data:`MEGATRON_LM_SINGLE_FILE`, every rank loads it; one notice); None when neither
+    exists. ``older``: the per-rank files are themselves the older layout (beside a torch_dist
+    checkpoint that lacks the ``mechmon`` entry): one notice too."""
+    if os.path.isfile(rank_file):
+        if older:
+            legacy_notice("megatron-lm-rank-json", rank_file)
+        with open(rank_file, encoding="utf-8") as f:
+            return state_of(json.load(f), rank_file)
+    single = os.path.join(directory, MEGATRON_LM_SINGLE_FILE)
+    if not os.path.isfile(single):
+        return None
+    legacy_notice("megatron-lm-json", single)
+    with open(single, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def trainer_extra_state(extra: Mapping[str, Any], extra_path: str) -> Optional[dict]:
+    """The monitor state of an example-trainer checkpoint without the ``mechmon`` entry in its
+    distributed checkpoint: the per-rank extra file's ``mechmon`` key, or ``callbacks/mechmon``
+    (older still); one notice each."""
+    if extra.get(STATE_KEY) is not None:
+        legacy_notice("trainer-extra-file", extra_path)
+    return state_of(extra, extra_path)

@@ -11,7 +11,6 @@ time to drain, so a process that exits right after an alarm still sends it when 
 from __future__ import annotations
 
 import json
-import logging
 import queue
 import threading
 import time
@@ -21,7 +20,9 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Optional
 
-logger = logging.getLogger(__name__)
+from mechmon_megatron.session.log import mechmon_log
+
+log = mechmon_log(__name__)
 
 
 def check_webhook_url(url: str) -> str:
@@ -113,7 +114,7 @@ def deliver(url: str, payload: dict, settings: WebhookSettings = WebhookSettings
                 reason = f"HTTP {answer.status}"
         except (urllib.error.URLError, OSError, ValueError) as exc:
             reason = failure_reason(exc, settings)
-        logger.debug("[mechmon] webhook attempt %d to %s failed: %s", attempt + 1, webhook_host(url), reason)
+        log.debug("webhook attempt %d to %s failed: %s", attempt + 1, webhook_host(url), reason)
         if attempt < settings.retries:
             time.sleep(settings.backoff_s)
     return reason
@@ -124,7 +125,7 @@ def send(url: str, payload: dict, settings: WebhookSettings = WebhookSettings())
     why. Never raises."""
     reason = deliver(url, payload, settings)
     if reason is not None:
-        logger.warning("[mechmon] webhook message not delivered to %s after %d attempt%s: %s", webhook_host(url),
+        log.warning("webhook message not delivered to %s after %d attempt%s: %s", webhook_host(url),
                        settings.retries + 1, "" if settings.retries == 0 else "s", reason)
     return reason is None
 
@@ -179,7 +180,7 @@ class WebhookPoster:
         if pending:
             why.append(f"{pending} still unsent after waiting {wait_s:g} s at the end")
         if untold > 0:
-            logger.warning("[mechmon] %d webhook message%s not delivered to %s (%s)", undelivered,
+            log.warning("%d webhook message%s not delivered to %s (%s)", undelivered,
                            "" if undelivered == 1 else "s", self.host, "; ".join(why))
 
     def _failed(self, reason: str, attempted: bool = True) -> None:
@@ -193,7 +194,7 @@ class WebhookPoster:
         if first:
             attempts = self.settings.retries + 1
             tried = f" after {attempts} attempt{'' if attempts == 1 else 's'}" if attempted else ""
-            logger.warning("[mechmon] webhook message not delivered to %s%s: %s; further failures are counted and "
+            log.warning("webhook message not delivered to %s%s: %s; further failures are counted and "
                            "reported once at the end", self.host, tried, reason)
 
     def _run(self) -> None:

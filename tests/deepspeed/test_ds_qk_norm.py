@@ -29,6 +29,7 @@ from torch import nn
 from mechmon_megatron.adapters.deepspeed.attention_layouts import find_attention, parse_mapping
 from mechmon_megatron.adapters.deepspeed.engine_hooks import _AttentionReader
 from mechmon_megatron.monitors.norm_fold import fold_norm
+from mechmon_megatron.session.collective_guard import CollectiveGuard
 from mechmon_megatron.session.host import QKWeights
 from tests.deepspeed._hf_qk_norm import EPS, HEAD_DIM, HEADS, HIDDEN, KINDS, KV_HEADS, QKNormAttention
 from tests.megatron_core._torchrun import REPO_ROOT, run_ranks
@@ -53,7 +54,7 @@ def _heads(attention: nn.Module, mapping=()) -> QKWeights:
     """The site's per-head read of the one attention layer in a model (the owner's)."""
     found = find_attention(Model(attention), parse_mapping(list(mapping), "m") if mapping else ())
     assert len(found) == 1
-    reader = _AttentionReader(found[0], owner=True, full_matrix=False, read_param=_plain)
+    reader = _AttentionReader(found[0], owner=True, full_matrix=False, read_param=_plain, guard=CollectiveGuard())
     assert reader.read_full() is None
     heads = reader.read_heads()
     assert isinstance(heads, QKWeights)
@@ -133,7 +134,7 @@ def test_a_norm_not_folded_warns_once_and_the_layer_stays_monitored(kind: str, c
     warnings = [r.getMessage() for r in caplog.records if "QK-norm" in r.getMessage()]
     assert len(warnings) == 1, warnings
     assert "2 attention layer(s)" in warnings[0] and f"layers.0.self_attn.q_norm ({cls}): {why}" in warnings[0]
-    heads = _AttentionReader(found[0], owner=True, full_matrix=False, read_param=_plain)
+    heads = _AttentionReader(found[0], owner=True, full_matrix=False, read_param=_plain, guard=CollectiveGuard())
     heads.read_full()
     out = heads.read_heads()
     assert out.q_norm is None and torch.equal(out.wq, model.layers[0]["self_attn"].q_proj.weight.detach().reshape(

@@ -62,19 +62,23 @@ def test_deepspeed_prints_the_trainers_start_up_lines(tmp_path: Path):
 
 
 def test_start_up_lines_are_rank_0_only(caplog):
+    from mechmon_megatron.adapters.deepspeed.config import key_of
+    from mechmon_megatron.detect.config_error import ConfigNote
     from mechmon_megatron.session.startup import StartupReport, log_monitoring, log_startup_warnings
 
     caplog.set_level(logging.INFO, logger="mechmon_megatron")
     config = MechmonConfig(enabled=True)
-    report = StartupReport(warnings=["--mechmon-delta 500 / --mechmon-interval 100: held at once"])
+    report = StartupReport(warnings=[ConfigNote("delta", "500 / $interval 100: held at once")])
     for rank in (1, 3):
         log_startup_warnings(report, rank)
         log_monitoring(config, 0, 0, rank)
     assert caplog.records == []
-    log_startup_warnings(report, 0, rename=lambda line: line.replace("--mechmon-", "ds_config.mechmon."))
+    log_startup_warnings(report, 0, spell=key_of)
+    log_startup_warnings(report, 0)  # the command line's spelling
     log_monitoring(config, 0, 1, 0, attention_kind="self-attention (q_proj/k_proj)")
     assert [r.getMessage() for r in caplog.records] == [
         "[mechmon] ds_config.mechmon.delta 500 / ds_config.mechmon.interval 100: held at once",
+        "[mechmon] --mechmon-delta 500 / --mechmon-interval 100: held at once",
         "[mechmon] no self-attention (q_proj/k_proj) found on rank 0: attention monitors idle there",
         "[mechmon] monitoring 0 attention layers and 1 routers on rank 0 (interval 100, delta 100, action warn)",
     ]

@@ -30,8 +30,8 @@ def test_every_row_is_complete(spec: FamilySpec):
     assert spec.direction in get_args(Direction) and spec.monitor in get_args(Monitor)
     assert spec.scalars and all(s and "/" not in s for s in spec.scalars)
     assert spec.label and spec.no_signal
-    assert (spec.switch is None) == (spec.flag is None)  # a switch is set by a flag
-    assert not spec.optional or spec.flag is not None  # an optional family is asked for by its flag
+    assert not spec.optional or spec.switch is not None  # an optional family is asked for by its switch
+    assert "--mechmon" not in spec.no_signal  # settings are $field placeholders, spelled by whoever shows them
     assert spec.name.startswith(f"{spec.monitor}_")  # the names say their monitor
 
 

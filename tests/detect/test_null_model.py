@@ -2,9 +2,11 @@
 
 import math
 import random
+import re
 
 import pytest
 
+from mechmon_megatron.detect.config_error import ConfigError
 from mechmon_megatron.detect.null_model import (
     JobShape,
     NullTail,
@@ -82,9 +84,27 @@ def test_overlap_lookup_is_conservative_and_extrapolation_is_noted():
     assert table.tail(1, "attn_dw", "layer") == (table.tails[1]["attn_dw"]["layer"], "")
 
 
-def test_bad_rate_names_the_flag():
-    with pytest.raises(ValueError, match="--mechmon-false-alarm-rate"):
-        thresholds_for_job(JobShape(layers={"attn_dw": 2}, interval=100), rate_per_million=0.0, table=_table())
+@pytest.mark.parametrize("rate, reason", [(0.0, r"must be a number > 0, got 0\.0"), (math.nan, "must be a number > 0"),
+                                          (1e9, r"1e\+09 asks each of the job's 3 tests")])
+def test_bad_rate_names_the_setting_and_no_flag(rate, reason):
+    with pytest.raises(ConfigError) as info:
+        thresholds_for_job(JobShape(layers={"attn_dw": 2}, interval=100), rate_per_million=rate, table=_table())
+    assert info.value.field == "false_alarm_rate" and re.match(reason, info.value.reason)
+    assert "--mechmon" not in str(info.value)  # the core names the field; each front end spells it
+
+
+def test_thresholds_are_defined_for_every_probability_even_when_theta_underflows():
+    """Beyond the measured overlaps theta is scaled down; a tiny one reaches 0.0: no finite threshold
+    gives the probability, and the threshold is infinite instead of a ZeroDivisionError; ``bounded``
+    says so before any job's thresholds are set."""
+    tail = NullTail(u0=1.0, log_p_u0=math.log(0.1), theta=5e-324, theta_hat=1.0, samples=100, exceedances=10)
+    table = TailTable(tails={1: {"attn_dw": {"layer": tail}}})
+    scaled, note = table.tail(10, "attn_dw", "layer")
+    assert scaled.theta == 0.0 and "extrapolation" in note
+    assert scaled.threshold(1e-6) == math.inf and scaled.threshold(0.5) == 1.0
+    assert not scaled.bounded() and not tail.bounded()  # what the start-up check refuses (detector_setup)
+    assert all(t.bounded() for fams in load_tail_table().tails.values() for levels in fams.values()
+               for t in levels.values())
 
 
 def test_table_round_trip_and_shipped_table_loads():

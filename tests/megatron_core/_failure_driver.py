@@ -33,7 +33,8 @@ import time
 import torch
 
 from mechmon_megatron.adapters.megatron_core import sites
-from mechmon_megatron.session import host, session, snapshots, writers
+from mechmon_megatron.session import checks, host, session, snapshots, writers
+from mechmon_megatron.session.decision import WriterDecision
 
 RANK = int(os.environ.get("RANK", "0"))
 FAIL_RANK = int(os.environ.get("MECHMON_INJECT_RANK", "1"))
@@ -95,10 +96,10 @@ def _install() -> None:
 
     torch.distributed.all_gather = failing_all_gather
     _wrap(snapshots.SnapshotStore, "take", "snapshot")
-    _wrap(session, "check_heads", "kernel")
-    _wrap(session, "check_full", "kernel")
+    _wrap(checks, "check_heads", "kernel")
+    _wrap(checks, "check_full", "kernel")
     _wrap(host, "summarize_routing", "router")
-    _wrap(session.MonitoringSession, "_decide", "decision")
+    _wrap(WriterDecision, "_decide", "decision")
     _wrap(writers.WriterGroup, "write_scalars", "write")
 
     on_step_start = session.MonitoringSession.on_step_start

@@ -33,6 +33,7 @@ from mechmon_megatron.adapters.megatron_core.main_params import (  # noqa: E402
     weight_reader,
     weight_readers,
 )
+from mechmon_megatron.session.collective_guard import guard  # noqa: E402
 
 TOOL = REPO_ROOT / "tools" / "measure_main_param_reads.py"
 LAYER = "decoder.layers.0.self_attention.linear_qkv.weight"
@@ -94,9 +95,10 @@ WORKER = textwrap.dedent(
             self.gathered = []
             for index, item in enumerate(find_modules(ctx.model_chunks)[0]):
                 weight = item.module.linear_qkv.weight
-                reader, source = main_params.weight_reader(weight, ctx.optimizer, self.group, layer=item.name)
+                reader, source = main_params.weight_reader(weight, ctx.optimizer, self.group, layer=item.name,
+                                                           guard=guard())
                 model, model_source = main_params.weight_reader(weight, ctx.optimizer, self.group, layer=item.name,
-                                                                setting="model")
+                                                                setting="model", guard=guard())
                 self.items.append((item.name, weight, reader, source, model, model_source))
                 if reader.collective:  # a second reader used as the sites use it: layer i on replica i % dp, Q/K rows
                     from mechmon_megatron.session.qkv_layout import qkv_row_indices
@@ -104,7 +106,8 @@ WORKER = textwrap.dedent(
                     q, k = qkv_row_indices(cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads,
                                            item.module.hidden_size_per_attention_head)
                     rows = torch.cat([q.reshape(-1), k.reshape(-1)])
-                    gathered, _ = main_params.weight_reader(weight, ctx.optimizer, self.group, layer=item.name)
+                    gathered, _ = main_params.weight_reader(weight, ctx.optimizer, self.group, layer=item.name,
+                                                            guard=guard())
                     gathered.configure_use(index % dist.get_world_size(self.group) == dist.get_rank(self.group), rows)
                     self.gathered.append((item.name, weight, gathered, rows))
             guard().create_declared()  # mechmon's own copies of the groups the readers gather over
@@ -293,12 +296,12 @@ def test_float8_weight_is_refused_naming_layer_and_flag():
     assert "float8_e4m3fn" in quantization_of(weight)
     for setting in ("main", "model"):  # no optimizer: the model weight would have to be read
         with pytest.raises(ValueError, match=rf"layer {LAYER}: .*float8_e4m3fn.*--mechmon-weights main"):
-            weight_reader(weight, None, layer=LAYER, setting=setting)
+            weight_reader(weight, None, layer=LAYER, setting=setting, guard=guard())
 
 
 def test_integer_weight_is_refused():
     with pytest.raises(ValueError, match=r"layer L: .*torch\.int8.*no documented dequantization"):
-        weight_reader(torch.zeros(4, 4, dtype=torch.int8), None, layer="L")
+        weight_reader(torch.zeros(4, 4, dtype=torch.int8), None, layer="L", guard=guard())
 
 
 @pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")
@@ -306,7 +309,7 @@ def test_quantized_weight_with_dequantize_is_dequantized(caplog):
     x = torch.randn(6, 4)
     q = torch.quantize_per_tensor(x, scale=0.05, zero_point=0, dtype=torch.qint8)
     with caplog.at_level(logging.WARNING):
-        reader, source = weight_reader(q, None, layer="L")
+        reader, source = weight_reader(q, None, layer="L", guard=guard())
     assert source == "model" and "dequantized" in reader.reason
     value = reader()
     assert value.dtype == torch.float32 and torch.equal(value, q.dequantize())
@@ -326,14 +329,14 @@ def test_tensor_subclass_with_own_dequantize_is_used():
     raw = torch.randn(3, 5)
     weight = raw.as_subclass(_Scaled)
     assert quantization_of(weight) is not None
-    reader, source = weight_reader(weight, None, layer="L", setting="model")
+    reader, source = weight_reader(weight, None, layer="L", setting="model", guard=guard())
     assert source == "model" and torch.equal(reader(), raw * 2.0)
 
 
 def test_fp32_weight_needs_no_optimizer_and_is_not_copied(caplog):
     weight = torch.nn.Parameter(torch.randn(4, 4))
     with caplog.at_level(logging.INFO, logger=main_params.__name__):
-        reader, source = weight_reader(weight, None, layer="L")
+        reader, source = weight_reader(weight, None, layer="L", guard=guard())
     assert source == "model" and reader.collective is False
     assert reader().data_ptr() == weight.data_ptr()
     assert "FP32 parameters" in caplog.text
@@ -343,7 +346,7 @@ def test_unrecognised_optimizer_falls_back_with_one_notice(caplog):
     weights = [torch.nn.Parameter(torch.randn(4, 4, dtype=torch.bfloat16)) for _ in range(3)]
     optimizer = torch.optim.SGD(weights, lr=0.1)  # not a megatron-core optimizer
     with caplog.at_level(logging.WARNING, logger=main_params.__name__):
-        resolved = weight_readers([(f"layer{i}", w) for i, w in enumerate(weights)], optimizer)
+        resolved = weight_readers([(f"layer{i}", w) for i, w in enumerate(weights)], optimizer, guard=guard())
     assert [source for _, source in resolved] == ["model"] * 3
     assert all(r().dtype == torch.bfloat16 for r, _ in resolved)
     notices = [rec for rec in caplog.records if "not recognised" in rec.getMessage()]
@@ -372,11 +375,11 @@ def test_chained_optimizer_finds_the_member_that_owns_the_param():
                for ps in (dense, expert)]
     chained = ChainedOptimizer(members)
     for param in (*dense, *expert):
-        reader, source = weight_reader(param, chained, layer="L")
+        reader, source = weight_reader(param, chained, layer="L", guard=guard())
         assert source == "main" and reader() is not param
         assert reader().dtype == torch.float32 and torch.equal(reader(), param.main_param)
     stray = torch.nn.Parameter(torch.randn(3, 4, dtype=torch.bfloat16))  # trained by neither
-    reader, source = weight_reader(stray, chained, layer="L")
+    reader, source = weight_reader(stray, chained, layer="L", guard=guard())
     assert source == "model" and "not among the optimizer's 16-bit parameters" in reader.reason
 
 

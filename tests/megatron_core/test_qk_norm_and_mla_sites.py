@@ -27,6 +27,7 @@ pytest.importorskip("megatron.core")
 from mechmon_megatron.adapters.megatron_core.discovery import find_left_out, find_modules  # noqa: E402
 from mechmon_megatron.adapters.megatron_core.sites import attention_sites  # noqa: E402
 from mechmon_megatron.session.attention_check import check_heads  # noqa: E402
+from mechmon_megatron.session.collective_guard import guard  # noqa: E402
 from mechmon_megatron.session.host import MLAHeads, QKWeights  # noqa: E402
 from mechmon_megatron.session.mla_check import check_mla_heads  # noqa: E402
 from mechmon_megatron.session.snapshots import SnapshotStore  # noqa: E402
@@ -67,7 +68,7 @@ def _site(module):
     found, _ = find_modules([_Holder(module)])
     assert len(found) == 1
     left: list = []
-    sites = attention_sites(found, None, full_matrix=True, left_out=left)
+    sites = attention_sites(found, None, full_matrix=True, left_out=left, guard=guard())
     return sites, left, found[0]
 
 

@@ -21,6 +21,7 @@ from mechmon_megatron.adapters.megatron_core.discovery import find_modules  # no
 from mechmon_megatron.adapters.megatron_core.sites import router_sites  # noqa: E402
 from mechmon_megatron.cli.args import add_mechmon_args, startup_config  # noqa: E402
 from mechmon_megatron.monitors.router import RouterEntropySummary  # noqa: E402
+from mechmon_megatron.session.collective_guard import guard  # noqa: E402
 from mechmon_megatron.session.config import MechmonConfig  # noqa: E402
 from mechmon_megatron.session.host_settings import graphed_router  # noqa: E402
 from tests.megatron_core.test_router_settings import BATCH, BINS, SEQ, E, _Recorder, _run, build_moe_gpt  # noqa: E402
@@ -35,7 +36,7 @@ RECOMPUTE = {
 def _summaries(model) -> tuple[list, list]:
     _, found = find_modules([model])
     recorders = [_Recorder(f.module) for f in found]
-    sites = router_sites(found, None, reports=True, capture_enabled=lambda: True)
+    sites = router_sites(found, None, reports=True, capture_enabled=lambda: True, guard=guard())
     for site in sites:
         site.num_bins = BINS
     return _run(model, sites, steps=2, seed=5), recorders

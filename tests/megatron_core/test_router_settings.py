@@ -21,6 +21,7 @@ pytest.importorskip("megatron.core")
 from mechmon_megatron.adapters.megatron_core.discovery import find_modules, router_settings  # noqa: E402
 from mechmon_megatron.adapters.megatron_core.sites import router_sites  # noqa: E402
 from mechmon_megatron.monitors.router import RouterEntropySummary, summarize_routing  # noqa: E402
+from mechmon_megatron.session.collective_guard import guard  # noqa: E402
 from mechmon_megatron.session.router_check import router_output  # noqa: E402
 
 E, K, BINS, SEQ, BATCH, VOCAB = 8, 2, 64, 16, 2, 64
@@ -105,7 +106,7 @@ def test_captured_summary_equals_brute_force_from_the_router_outputs(model_paral
     assert [f.layer_number for f in found] == [1, 2]  # shared experts hold no router
     _bias_experts(found)
     recorders = [_Recorder(f.module) for f in found]
-    sites = router_sites(found, None, reports=True, capture_enabled=lambda: True)
+    sites = router_sites(found, None, reports=True, capture_enabled=lambda: True, guard=guard())
     for site in sites:
         site.num_bins = BINS
     score = moe.get("moe_router_score_function", "softmax")
@@ -147,7 +148,7 @@ def test_routing_map_differs_from_top_k_of_logits_under_bias_groups_and_dropping
         _, found = find_modules([model])
         _bias_experts(found)
         rec = _Recorder(found[0].module)
-        sites = router_sites(found[:1], None, reports=True, capture_enabled=lambda: True)
+        sites = router_sites(found[:1], None, reports=True, capture_enabled=lambda: True, guard=guard())
         (flat, _), = _run(model, sites)
         weight = rec.router.weight.detach()
         logits = torch.cat([h.reshape(-1, h.shape[-1]) @ weight.T for h, _, _ in rec.rows])
@@ -170,7 +171,7 @@ def test_softmax_router_gives_exactly_the_previous_values(model_parallel):
             return out
 
         item.module.gating = gating
-    sites = router_sites(found, None, reports=True, capture_enabled=lambda: True)
+    sites = router_sites(found, None, reports=True, capture_enabled=lambda: True, guard=guard())
     results = _run(model, sites)
     for site, (flat, error) in zip(sites, results):
         assert error is None
@@ -185,12 +186,12 @@ def test_capture_only_when_enabled_and_settings_are_read_from_the_router(model_p
     s = router_settings(found[0].module)
     assert (s.score_function, s.drops_tokens, s.pad_to_capacity) == ("sigmoid", True, True)
     armed = {"on": False}
-    sites = router_sites(found, None, reports=True, capture_enabled=lambda: armed["on"])
+    sites = router_sites(found, None, reports=True, capture_enabled=lambda: armed["on"], guard=guard())
     assert all(flat is None for flat, _ in _run(model, sites, steps=1))
     armed["on"] = True
     assert all(flat is not None for flat, _ in _run(model, sites, steps=1))
     with pytest.raises(RuntimeError, match="already has a mechmon capture hook"):
-        router_sites(found, None, reports=True, capture_enabled=lambda: True)
+        router_sites(found, None, reports=True, capture_enabled=lambda: True, guard=guard())
 
 
 def test_unknown_score_function_fails_at_startup_naming_it(model_parallel):
@@ -198,7 +199,7 @@ def test_unknown_score_function_fails_at_startup_naming_it(model_parallel):
     _, found = find_modules([model])
     found[0].module.score_function = "tanh"  # a future release's score function
     with pytest.raises(ValueError, match="'tanh'.*supported: softmax, sigmoid, sqrtsoftplus"):
-        router_sites(found, None, reports=True, capture_enabled=lambda: True)
+        router_sites(found, None, reports=True, capture_enabled=lambda: True, guard=guard())
 
 
 @pytest.mark.parametrize("out", [torch.randn(4, E), (torch.randn(4, E), torch.ones(4, E))])
@@ -208,7 +209,7 @@ def test_unexpected_routing_output_is_a_capture_error_not_a_crash(model_parallel
     _, found = find_modules([model])
     original = found[0].module.routing
     found[0].module.routing = lambda logits, *a, **kw: (original(logits, *a, **kw), out)[1]
-    (site,) = router_sites(found[:1], None, reports=True, capture_enabled=lambda: True)
+    (site,) = router_sites(found[:1], None, reports=True, capture_enabled=lambda: True, guard=guard())
     logits = torch.randn(4, 1, E)
     assert found[0].module.routing(logits) is out  # the host gets its output unchanged
     summary, error = site.take_summary()
@@ -219,7 +220,7 @@ def test_sigmoid_router_has_no_floor_with_one_notice_naming_the_flag(model_paral
     model = build_moe_gpt(**SETTINGS["sigmoid_expert_bias"], moe_expert_capacity_factor=0.5)
     _, found = find_modules([model])
     with caplog.at_level(logging.INFO):
-        sites = router_sites(found, None, reports=True, capture_enabled=lambda: True)
+        sites = router_sites(found, None, reports=True, capture_enabled=lambda: True, guard=guard())
     notices = [r.getMessage() for r in caplog.records if "--mechmon-router-min-effective-experts" in r.getMessage()]
     assert len(notices) == 1 and "sigmoid" in notices[0] and "layers 1, 2" in notices[0]
     recorders = [_Recorder(f.module) for f in found]
@@ -239,7 +240,7 @@ def test_softmax_router_keeps_its_floor_and_logs_no_notice(model_parallel, caplo
     model = build_moe_gpt()
     _, found = find_modules([model])
     with caplog.at_level(logging.INFO):
-        sites = router_sites(found, None, reports=True, capture_enabled=lambda: True)
+        sites = router_sites(found, None, reports=True, capture_enabled=lambda: True, guard=guard())
     assert not [r for r in caplog.records if "min-effective-experts" in r.getMessage()]
     (flat, _), _ = _run(model, sites)
     out = router_output(sites[0], flat, sites[0].num_bins, entropy_floor=math.log(K))

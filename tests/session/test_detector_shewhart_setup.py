@@ -3,13 +3,15 @@ flag when a calibration lacks the ``shewhart`` section, thresholds, alert record
 
 import argparse
 import json
+import re
 
 import pytest
 
 from mechmon_megatron.cli.args import add_mechmon_args, config_from_args
+from mechmon_megatron.detect.config_error import ConfigError
 from mechmon_megatron.detect.null_model import JobShape, load_tail_table
 from mechmon_megatron.detect.pooled_cusum import PooledAlarm
-from mechmon_megatron.session.config import MechmonConfig
+from mechmon_megatron.session.config import MechmonConfig, flag_of
 from mechmon_megatron.session.detector_setup import alert_of, build_detector, load_detector_design
 
 SHAPE = JobShape(layers={"attn_delta2": 4, "attn_dw": 4, "router_entropy": 4, "router_weights": 4}, interval=20,
@@ -46,10 +48,13 @@ def test_calibration_without_shewhart_section_is_refused_naming_the_flag(tmp_pat
     path = tmp_path / "old_tails.json"
     path.write_text(json.dumps(old))
     load_detector_design(MechmonConfig(enabled=True, interval=20, delta=100, detector_calibration=str(path)))
-    with pytest.raises(ValueError, match="--mechmon-detector-shewhart.*mechmon-calibrate"):
+    with pytest.raises(ConfigError) as info:
         load_detector_design(
             MechmonConfig(enabled=True, interval=20, delta=100, detector_calibration=str(path), detector_shewhart=True)
         )
+    assert info.value.field == "detector_shewhart"
+    assert re.match(r"--mechmon-detector-shewhart: the calibration .* has no Shewhart tails .*mechmon-calibrate",
+                    info.value.render(flag_of))
 
 
 def test_alert_of_a_shewhart_alarm():
@@ -60,3 +65,8 @@ def test_alert_of_a_shewhart_alarm():
     alert = alert_of(alarm, config, design)
     assert alert.kind == "shewhart" and alert.stream == "mechmon/detect/attn_delta2/residual/layer_3"
     assert alert.first_warning_step == 2040 + 20 - 100 and "Shewhart limit" in alert.reason and alert.head == 1
+    assert alert.reason.endswith("(layer test; set by --mechmon-false-alarm-rate 0.01)")
+    from mechmon_megatron.scan.config import scan_flag
+
+    scan = alert_of(alarm, config, design, spell=scan_flag)  # mechmon-scan: its own flag in the reason
+    assert scan.reason == alert.reason.replace("--mechmon-false-alarm-rate", "--false-alarm-rate")

@@ -1,5 +1,6 @@
-"""What the session reads from the family table: switches and flags that exist, stream names that
-parse back to their family, and the start-up lines (unchanged from when they were spelled here)."""
+"""What the session reads from the family table: switches that are config fields with a flag, stream
+names that parse back to their family, and the start-up lines (unchanged from when they were spelled
+here), in each front end's spelling."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from mechmon_megatron.cli.args import add_mechmon_args
 from mechmon_megatron.detect.families import FAMILIES, FAMILY_NAMES, FamilySpec
 from mechmon_megatron.detect.null_model import JobShape
 from mechmon_megatron.session import names
-from mechmon_megatron.session.config import MONITOR_FAMILIES, MechmonConfig
+from mechmon_megatron.session.config import MONITOR_FAMILIES, MechmonConfig, flag_of
 from mechmon_megatron.session.detector_inputs import observation, observations_from_scalars
 from mechmon_megatron.session.detector_setup import (
     detector_families,
@@ -32,7 +33,7 @@ def test_switches_are_config_fields_and_flags_are_flags(spec: FamilySpec):
     assert field.type in (bool, "bool")
     assert field.default is (not spec.optional)  # an optional family is off by default
     parser = add_mechmon_args(argparse.ArgumentParser())
-    assert spec.flag in parser._option_string_actions  # noqa: SLF001 -- the parser's own table of flags
+    assert flag_of(spec.switch) in parser._option_string_actions  # noqa: SLF001 -- the parser's own table
 
 
 @pytest.mark.parametrize("spec", FAMILIES, ids=FAMILY_NAMES)
@@ -83,3 +84,9 @@ def test_the_start_up_reasons_of_families_without_signal():
     dense = families_without_signal(MechmonConfig(enabled=True), JobShape(layers={}, interval=20, overlap=5))
     assert dense["attn_delta2"] == "no attention layer is monitored (--mechmon-monitors without attn, or none found)"
     assert dense["attn_dw"] == "no attention layer is monitored"
+    from mechmon_megatron.adapters.deepspeed.config import key_of
+
+    keys = families_without_signal(config, JobShape(layers={"attn_delta2": 4}, interval=20, overlap=5), spell=key_of)
+    assert keys["attn_dw"] == "ds_config.mechmon.full_matrix_dw"
+    assert keys["router_entropy"] == ("no MoE router is monitored (a dense model, or ds_config.mechmon.monitors "
+                                      "without router)")

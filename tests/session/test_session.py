@@ -236,8 +236,12 @@ def test_router_site_statistics(tmp_path):
     ],
 )
 def test_bad_config_names_the_flag(overrides, flag):
-    with pytest.raises(ValueError, match=flag):
+    from mechmon_megatron.detect.config_error import ConfigError
+    from mechmon_megatron.session.config import flag_of
+
+    with pytest.raises(ConfigError) as info:  # names the field; the command line spells it as its flag
         MechmonConfig(enabled=True, **overrides)
+    assert flag_of(info.value.field) == flag and info.value.render(flag_of).startswith(flag + " ")
 
 
 def _router_session(tmp_path, logits, topk=2, score_function="softmax", **overrides):
@@ -322,7 +326,7 @@ def test_top1_router_has_no_floor_under_topk():
 
 def test_floor_above_the_expert_count_fails_at_startup_naming_the_flag(tmp_path):
     site = RouterSite(1, EXPERTS, 2, weight=lambda: torch.eye(EXPERTS, HIDDEN), reduce_sum=lambda v: v, reports=True)
-    with pytest.raises(ValueError, match="--mechmon-router-min-effective-experts is 6, more than the 4 experts"):
+    with pytest.raises(ValueError, match="^router_min_effective_experts is 6, more than the 4 experts"):
         make_session(tmp_path, [], routers=[site], router_min_effective_experts=6)
 
 
@@ -337,7 +341,7 @@ def test_every_interval_gets_a_valid_detector_design(tmp_path, interval):
 def test_bad_calibration_file_fails_at_startup_naming_the_flag(tmp_path):
     bad = tmp_path / "tails.json"
     bad.write_text('{"tails": {"1": {"attn_dw": {"layer": {"u0": 0}}}}}')
-    with pytest.raises(ValueError, match="--mechmon-detector-calibration"):
+    with pytest.raises(ValueError, match="^detector_calibration: no usable null-tail table"):
         make_session(tmp_path, [ToyAttention(1, 0)], detector_calibration=str(bad))
 
 
@@ -364,7 +368,7 @@ def test_calibration_without_a_family_fails_at_startup(tmp_path):
         overlap.pop("router_weights")
     path = tmp_path / "partial.json"
     path.write_text(_json.dumps(table))
-    with pytest.raises(ValueError, match="--mechmon-detector-calibration.*router_weights"):
+    with pytest.raises(ValueError, match="^detector_calibration: .*router_weights"):
         make_session(tmp_path, [ToyAttention(1, 0)], detector_calibration=str(path))
 
 

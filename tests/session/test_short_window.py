@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from mechmon_megatron.cli.args import add_mechmon_args, config_from_args
+from mechmon_megatron.detect.config_error import ConfigError
 from mechmon_megatron.detect.null_model import load_tail_table
 from mechmon_megatron.session import names
-from mechmon_megatron.session.config import MechmonConfig
+from mechmon_megatron.session.config import MechmonConfig, flag_of
 from mechmon_megatron.session.detector_inputs import observation
 from mechmon_megatron.session.session import MonitoringSession
 from mechmon_megatron.session.writers import JsonlScalarWriter, WriterGroup
@@ -148,12 +149,15 @@ def test_short_window_alarm_names_its_family(tmp_path):
 
 @pytest.mark.parametrize("interval, delta", [(20, 30), (20, 20), (20, 10)])
 def test_short_window_needs_delta_a_larger_multiple_of_interval(interval, delta):
-    with pytest.raises(ValueError, match="--mechmon-short-window.*--mechmon-delta"):
+    with pytest.raises(ConfigError) as info:
         MechmonConfig(enabled=True, interval=interval, delta=delta, short_window=True)
+    assert info.value.field == "short_window"
+    assert info.value.render(flag_of).startswith("--mechmon-short-window needs --mechmon-delta a multiple of "
+                                                 "--mechmon-interval")
 
 
 def test_shipped_calibration_without_the_family_stops_startup_naming_it():
-    with pytest.raises(ValueError, match="--mechmon-short-window.*'attn_delta2_short'.*mechmon-calibrate"):
+    with pytest.raises(ConfigError, match=r"^short_window: .*'attn_delta2_short'.*mechmon-calibrate"):
         MonitoringSession(MechmonConfig(enabled=True, interval=20, delta=100, short_window=True),
                           [ToyAttention(1, 0).site()])
     MonitoringSession(MechmonConfig(enabled=True, interval=20, delta=100), [ToyAttention(1, 0).site()])  # off: fine

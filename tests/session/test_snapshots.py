@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from mechmon_megatron.session import names
-from mechmon_megatron.session.config import MechmonConfig
+from mechmon_megatron.detect.config_error import ConfigError
+from mechmon_megatron.session.config import MechmonConfig, flag_of
 from mechmon_megatron.session.host import AttentionSite, FullQK, QKWeights, SnapshotBudget
 from mechmon_megatron.session.session import MonitoringSession
 from mechmon_megatron.session.snapshots import SnapshotStore, resolve_placement
@@ -120,8 +121,10 @@ def test_auto_placement_moves_a_large_budget_to_pinned_memory():
     ({"wq_norm_power_iters": -1}, "--mechmon-wq-norm-power-iters"),
 ])
 def test_bad_snapshot_and_full_matrix_settings_name_their_flag(overrides, flag):
-    with pytest.raises(ValueError, match=flag):
+    with pytest.raises(ConfigError) as caught:
         MechmonConfig(enabled=True, **overrides)
+    assert caught.value.field == next(iter(overrides))
+    assert caught.value.render(flag_of).startswith(f"{flag} ")
 
 
 def test_a_budget_that_cannot_fit_names_the_flags():

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from mechmon_megatron.cli.args import add_mechmon_args, validate_mechmon_args
+from mechmon_megatron.detect.families import family_spec
 from mechmon_megatron.detect.null_model import _TAIL_FILE
 from mechmon_megatron.session import names
 from mechmon_megatron.session.config import MechmonConfig
@@ -103,9 +104,10 @@ def test_calibration_with_a_bad_tail_is_refused_naming_flag_and_file(tmp_path, c
 
 
 def test_the_session_itself_refuses_a_zero_theta(tmp_path):
-    """A host that builds the config itself (DeepSpeed, a library user) meets the same check at start-up."""
+    """A host that builds the config itself (DeepSpeed, a library user) meets the same check at start-up
+    (naming the setting as the library user wrote it: the field)."""
     path = calibration(tmp_path, "tails.json", with_tail("theta", 0))
-    with pytest.raises(ValueError, match=r"--mechmon-detector-calibration.*theta must be a finite number > 0"):
+    with pytest.raises(ValueError, match=r"^detector_calibration: .*theta must be a finite number > 0"):
         MonitoringSession(MechmonConfig(enabled=True, interval=5, delta=5, detector_calibration=path),
                           [Toy(1).site()], writer=WriterGroup())
 
@@ -123,6 +125,63 @@ def test_false_alarm_rate_1e6_is_refused_by_the_trainer_and_megatron_lm(capsys):
 def test_the_usual_rates_are_accepted():
     for rate in ("0.001", "0.01", "1", "100"):
         assert accepted(trainer_parser(), ["--mechmon-false-alarm-rate", rate]).false_alarm_rate == float(rate)
+
+
+def test_start_up_sets_no_thresholds_and_what_it_accepts_gets_them(monkeypatch):
+    """The start-up check judges the rate from the per-test probability and the tails' floors; the
+    session sets the thresholds once, from the job's real shape (``build_detector``): what start-up
+    accepts, ``thresholds_for_job`` turns into thresholds."""
+    from mechmon_megatron.detect import null_model
+    from mechmon_megatron.session import detector_setup
+    from mechmon_megatron.session.detector_setup import job_shape, load_detector_design
+    from mechmon_megatron.session.startup import RunFacts, validate_startup
+
+    def not_at_start_up(*args, **kwargs):
+        raise AssertionError("start-up computed thresholds")
+
+    monkeypatch.setattr(null_model, "thresholds_for_job", not_at_start_up)
+    monkeypatch.setattr(detector_setup, "thresholds_for_job", not_at_start_up)
+    cases = []
+    for interval in (1, 5, 100):
+        for rate in (1e-3, 1.0, 100.0, 1e4, 1e6):
+            for shewhart in (False, True):
+                config = MechmonConfig(enabled=True, interval=interval, delta=5 * interval, false_alarm_rate=rate,
+                                       detector_shewhart=shewhart)
+                try:
+                    validate_startup(config, RunFacts(num_layers=2))
+                except ValueError:
+                    continue
+                cases.append(config)
+    monkeypatch.undo()
+    assert len(cases) > 10
+    for config in cases:
+        design, table = load_detector_design(config)
+        for layers in ({"attn": [1, 2], "router": []}, {"attn": [1, 2, 3], "router": [1, 2, 3]}):
+            shape = job_shape(config, [{f: layers[family_spec(f).monitor] for f in ("attn_delta2", "attn_dw",
+                                                                               "router_entropy", "router_weights")
+                                        if layers[family_spec(f).monitor]}])
+            null_model.thresholds_for_job(shape, config.false_alarm_rate, table, shewhart=design.shewhart)
+
+
+def test_a_tail_too_flat_for_a_finite_threshold_is_refused_at_start_up(tmp_path, capsys):
+    """A theta of 1e-310 is finite and > 0, yet no finite threshold gives a small probability: the
+    calibration is refused at start-up (``NullTail.bounded``), not when the session sets thresholds."""
+    path = calibration(tmp_path, "tails.json", with_tail("theta", 1e-310))
+    line = refused(megatron_parser(), ["--mechmon-detector-calibration", path], capsys)
+    assert f"--mechmon-detector-calibration: no usable null-tail table in {path}: the tail of 'attn_delta2' " in line
+    assert "too small for a finite threshold" in line, line
+
+
+def test_a_routing_floor_above_the_experts_is_refused_at_parse_time(capsys):
+    parser = megatron_parser()
+    parser.add_argument("--num-experts", type=int, default=None)
+    parser.add_argument("--moe-router-topk", type=int, default=2)
+    line = refused(parser, ["--num-experts", "4", "--mechmon-router-min-effective-experts", "6"], capsys)
+    assert line.endswith("error: --mechmon-router-min-effective-experts is 6, more than the 4 experts of the router "
+                         "(the most exp(entropy) can be)"), line
+    assert accepted(parser, ["--num-experts", "4", "--mechmon-router-min-effective-experts", "3"])
+    assert accepted(parser, ["--num-experts", "4", "--mechmon-monitors", "attn",
+                             "--mechmon-router-min-effective-experts", "6"])  # no router monitors: nothing to judge
 
 
 # ---------------------------------------------------------------------------- alpha inf
@@ -306,7 +365,7 @@ def test_a_detector_that_cannot_be_built_is_reported_not_silent(tmp_path, caplog
         run_steps(MonitoringSession(config, [toy.site()], writer=writer), [toy], 20)
     assert active_scalars(tmp_path / "tb") == {5: 0.0, 10: 0.0, 15: 0.0, 20: 0.0}
     quiet = [r.getMessage() for r in caplog.records if "did not run at" in r.getMessage()]
-    assert len(quiet) == 1 and "phase decision" in quiet[0] and "--mechmon-false-alarm-rate" in quiet[0]
+    assert len(quiet) == 1 and "phase decision" in quiet[0] and "false_alarm_rate 1e+06 asks each" in quiet[0]
 
 
 def test_under_strict_a_monitor_that_cannot_run_stops_the_job():

@@ -191,19 +191,20 @@ def test_every_configuration_is_refused_naming_a_flag_or_runs_its_checks(workdir
 @settings(max_examples=200, deadline=None)
 @given(alpha=NUMBERS, rate=NUMBERS)
 def test_the_scan_and_the_trainer_accept_and_refuse_the_same_values(tmp_path_factory, alpha, rate):
+    from mechmon_megatron.detect.config_error import ConfigError
     from mechmon_megatron.scan import ScanConfig, ScanInputError
 
     out = str(tmp_path_factory.getbasetemp() / "scan_out")
     try:
         MechmonConfig(enabled=True, alpha=alpha, false_alarm_rate=rate)
         trainer = None
-    except ValueError as exc:
-        trainer = str(exc)
+    except ConfigError as exc:
+        trainer = exc
     try:
         ScanConfig(inputs=("run",), out=out, alpha=alpha, false_alarm_rate=rate)
         scan = None
     except ScanInputError as exc:
         scan = str(exc)
     assert (trainer is None) == (scan is None), (trainer, scan)
-    if trainer is not None:
-        assert scan == trainer.replace("--mechmon-", "--")
+    if trainer is not None:  # the same reason, the setting in the scan's own flag
+        assert scan == f"--{trainer.field.replace('_', '-')} {trainer.reason}"

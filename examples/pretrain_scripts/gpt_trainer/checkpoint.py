@@ -11,7 +11,8 @@ The model and optimizer are saved as sharded state dicts (``model.sharded_state_
 ``optimizer.sharded_state_dict(model_sd)``), so they can be loaded with another TP/PP layout.
 The monitoring session's state is one ``ShardedObject`` per rank under ``mechmon`` in the same
 distributed checkpoint (mechmon's one format, ``mechmon_megatron/session/state_format.py``);
-checkpoints of older trainers, with it in the extra file, still load (one notice).
+checkpoints of older trainers, with it in the extra file, still load (one notice; the reader of
+that older layout is ``state_format.trainer_extra_state``).
 The extra state is per rank (RNG states differ per rank); when the world size changed between
 save and load, rank 0's file is used and the RNG states are not restored (a warning says so).
 The tracker file is written last, so an interrupted save never becomes "latest".
@@ -33,7 +34,7 @@ import torch
 from megatron.core import dist_checkpointing, tensor_parallel
 
 from mechmon_megatron.adapters.megatron_core.sharded_state import add_load_template, loaded_state, state_shard
-from mechmon_megatron.session.state_format import STATE_KEY, legacy_notice, state_of
+from mechmon_megatron.session.state_format import STATE_KEY, trainer_extra_state
 
 logger = logging.getLogger(__name__)
 
@@ -188,14 +189,6 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler,
                        extra["world_size"], world)
     if in_checkpoint:
         monitor_state = loaded_state(state, path)
-    else:
-        monitor_state = _older_monitor_state(extra, extra_path)
+    else:  # an older trainer's checkpoint: the state in the extra file (one notice)
+        monitor_state = trainer_extra_state(extra, extra_path)
     return iteration, extra, monitor_state
-
-
-def _older_monitor_state(extra: dict[str, Any], extra_path: str) -> Optional[dict]:
-    """The monitor state of a checkpoint without the ``mechmon`` entry: the extra file's
-    ``mechmon`` key, or ``callbacks/mechmon`` (older still); one notice each."""
-    if extra.get(STATE_KEY) is not None:
-        legacy_notice("trainer-extra-file", extra_path)
-    return state_of(extra, extra_path)

@@ -11,7 +11,6 @@ checkpoint's ``client_state``. See docs/DEEPSPEED.md.
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any, Callable, Mapping, Optional, Union
 
@@ -22,13 +21,10 @@ from mechmon_megatron.adapters.deepspeed.config import (
     parse_section,
     read_ds_config,
 )
-from mechmon_megatron.adapters.deepspeed.engine_hooks import (
-    CLIENT_ALERT_KEY,
-    CLIENT_STATE_KEY,
-    MechmonDeepSpeed,
-    _rank,
-)
+from mechmon_megatron.adapters.deepspeed.engine_hooks import CLIENT_ALERT_KEY, CLIENT_STATE_KEY, MechmonDeepSpeed
+from mechmon_megatron.session import collective_guard
 from mechmon_megatron.session.config import MechmonConfig
+from mechmon_megatron.session.log import mechmon_log
 
 __all__ = [
     "attach",
@@ -39,7 +35,7 @@ __all__ = [
     "CLIENT_ALERT_KEY",
 ]
 
-logger = logging.getLogger(__name__)
+log = mechmon_log(__name__)
 
 
 def _engine_ds_config(engine: Any) -> dict:
@@ -82,8 +78,11 @@ def attach(
         config = config_from_ds_config(config) if SECTION in config else parse_section(config)
     if not isinstance(config, MechmonConfig):
         raise TypeError(f"attach(config=...) takes a MechmonConfig, a dict or a JSON path, got {type(config).__name__}")
-    if isinstance(section, Mapping) and section.get("enabled") is False and _rank() == 0:
+    if isinstance(section, Mapping) and section.get("enabled") is False:
         # Written on purpose, but a job that trains unwatched says so once (parse_section refuses
         # a section with keys and no "enabled").
-        logger.warning("[mechmon] %s is present with enabled: false: not monitoring", PREFIX)
-    return MechmonDeepSpeed(engine, config, checkpoint_dir=checkpoint_dir, client_state_fn=client_state_fn)
+        log.warning("%s is present with enabled: false: not monitoring", PREFIX, rank=0)
+    # The one place the DeepSpeed host looks up this process's collective guard: the communicator,
+    # the readers and every session of the engine receive it.
+    return MechmonDeepSpeed(engine, config, checkpoint_dir=checkpoint_dir, client_state_fn=client_state_fn,
+                            guard=collective_guard.guard())

@@ -37,7 +37,6 @@ the monitors cannot fold leaves the layer monitored without it, with one start-u
 from __future__ import annotations
 
 import fnmatch
-import logging
 import re
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Sequence
@@ -45,9 +44,10 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from mechmon_megatron.adapters.deepspeed.qk_norms import NormNotFolded, QKNorm, find_qk_norm, read_gamma
+from mechmon_megatron.session.log import mechmon_log
 from mechmon_megatron.session.qkv_layout import split_qk
 
-logger = logging.getLogger(__name__)
+log = mechmon_log(__name__)
 
 LAYOUTS = ("megatron_qkv", "separate", "gpt2_c_attn", "stacked_qkv")
 
@@ -308,8 +308,8 @@ def find_attention(
     if notice:
         _warn_unfolded(found)
     if unknown and notice:
-        logger.warning(
-            "[mechmon] %d attention module(s) with an unknown Q/K layout skipped (%s); describe them with "
+        log.warning(
+            "%d attention module(s) with an unknown Q/K layout skipped (%s); describe them with "
             "\"attention_mapping\" in the mechmon config (docs/DEEPSPEED.md)",
             len(unknown),
             ", ".join(unknown[:4]) + (", ..." if len(unknown) > 4 else ""),
@@ -321,8 +321,8 @@ def _warn_unfolded(found: Sequence[FoundAttention]) -> None:
     """One start-up warning for the layers whose QK-norm is not folded (they stay monitored)."""
     lines = [f"{f.name}.{reason}" for f in found for reason in f.unfolded]
     if lines:
-        logger.warning(
-            "[mechmon] %d attention layer(s) monitored without folding their QK-norm (Delta2 then reads the "
+        log.warning(
+            "%d attention layer(s) monitored without folding their QK-norm (Delta2 then reads the "
             "projection rows without the norm's scale): %s",
             sum(1 for f in found if f.unfolded), "; ".join(lines[:4]) + ("; ..." if len(lines) > 4 else ""),
         )

@@ -40,7 +40,6 @@ Who computes what:
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import sys
 from collections.abc import Mapping
@@ -50,11 +49,11 @@ import torch
 import torch.distributed as dist
 
 from mechmon_megatron.adapters.deepspeed.attention_layouts import FoundAttention, find_attention, layer_numbers
-from mechmon_megatron.adapters.deepspeed.config import PREFIX, as_key_message, checkpoint_dir_of
+from mechmon_megatron.adapters.deepspeed.config import PREFIX, checked_startup, checkpoint_dir_of, key_of
 from mechmon_megatron.adapters.deepspeed.gate_capture import find_gates, install_gate_capture
 from mechmon_megatron.adapters.deepspeed.qk_norms import fold_rows
 from mechmon_megatron.adapters.deepspeed.weights import read_full_param, read_is_collective
-from mechmon_megatron.session.collective_guard import CollectiveFailure, CollectivesOff, guard
+from mechmon_megatron.session.collective_guard import CollectiveFailure, CollectiveGuard, CollectivesOff
 from mechmon_megatron.session.config import MechmonConfig
 from mechmon_megatron.session.host import (
     AttentionSite,
@@ -64,14 +63,15 @@ from mechmon_megatron.session.host import (
     RouterSite,
     SnapshotBudget,
     TorchDistributedCommunicator,
+    process_guard,
 )
+from mechmon_megatron.session.log import mechmon_log
 from mechmon_megatron.session.session import Decision, MonitoringSession
 from mechmon_megatron.session.startup import (
     RunFacts,
     StartupReport,
     log_monitoring,
     log_startup_warnings,
-    validate_startup,
 )
 from mechmon_megatron.session.state_format import STATE_KEY, own_state, per_rank, state_of
 from mechmon_megatron.session.writers import (
@@ -82,7 +82,7 @@ from mechmon_megatron.session.writers import (
     WriterGroup,
 )
 
-logger = logging.getLogger(__name__)
+log = mechmon_log(__name__)
 
 CLIENT_STATE_KEY = STATE_KEY  # mechmon's one key on every host (session/state_format.py)
 CLIENT_ALERT_KEY = "mechmon_alert"
@@ -108,12 +108,15 @@ class _AttentionReader:
     """Per-check reads of one attention layer; rank ``owner`` reports it.
 
     ``read_param``: how a parameter is read (None: the ZeRO-aware fp32 read, ``weights.py``). The
-    layer's QK-norm weights are read with it, after the Q/K weights, on the same ranks.
+    layer's QK-norm weights are read with it, after the Q/K weights, on the same ranks. ``guard``
+    times a ZeRO read (the host's collective) and names it when it fails.
     """
 
     def __init__(self, found: FoundAttention, owner: bool, full_matrix: bool,
-                 read_param: Optional[Callable[[torch.nn.Parameter], torch.Tensor]] = None) -> None:
+                 read_param: Optional[Callable[[torch.nn.Parameter], torch.Tensor]] = None, *,
+                 guard: CollectiveGuard) -> None:
         self.found = found
+        self.guard = guard
         self.owner = owner
         self.full_matrix = full_matrix
         self.read_param = read_param
@@ -138,8 +141,8 @@ class _AttentionReader:
     def read_full(self) -> Optional[FullQK]:
         # The session calls read_full first on every rank; do the (possibly collective) read here.
         # A ZeRO read is the host's collective (DeepSpeed's groups), issued for the monitors.
-        self._cache = (guard().host_collective(lambda: self._read(self.read_param or read_full_param),
-                                               f"the ZeRO read of {self.found.name}")
+        self._cache = (self.guard.host_collective(lambda: self._read(self.read_param or read_full_param),
+                                                  f"the ZeRO read of {self.found.name}")
                        if (self.owner or self.collective) else None)
         if not (self.owner and self.full_matrix):
             return None
@@ -161,10 +164,11 @@ class _AttentionReader:
 class _RouterReader:
     """Reduction and (prefetched) weight of one TopKGate."""
 
-    def __init__(self, gate: torch.nn.Module, group: Any) -> None:
+    def __init__(self, gate: torch.nn.Module, group: Any, guard: CollectiveGuard) -> None:
         self.gate = gate
         self.group = group
-        guard().declare(group)  # mechmon's own copy is made when the session starts
+        self.guard = guard
+        guard.declare(group)  # mechmon's own copy is made when the session starts
         self.weight: Optional[torch.Tensor] = None
 
     def prefetch(self) -> None:
@@ -180,7 +184,7 @@ class _RouterReader:
             return vector.cpu()
         device = self.gate.wg.weight.device  # NCCL needs the accelerator tensor
         work = vector.to(device=device, dtype=torch.float64)
-        guard().all_reduce(work, self.group, "the router all-reduce of a gate")
+        self.guard.all_reduce(work, self.group, "the router all-reduce of a gate")
         return work.cpu()
 
 
@@ -205,11 +209,14 @@ class MechmonDeepSpeed:
     """The monitoring session attached to one DeepSpeed engine (see the module docstring).
 
     Build with :func:`mechmon_megatron.deepspeed.attach`. Public: ``session``, ``config``,
-    ``restore(client_state)``, ``load_checkpoint(...)``, ``state_dict()``, ``detach()``.
+    ``restore(client_state)``, ``load_checkpoint(...)``, ``state_dict()``, ``detach()``. ``guard``:
+    the process's collective guard (``attach`` looks it up; default: the process's), which the
+    communicator, the readers and every session of this engine receive.
     """
 
     def __init__(self, engine: Any, config: MechmonConfig, checkpoint_dir: Optional[str] = None,
-                 client_state_fn: Optional[Callable[[], Mapping[str, Any]]] = None) -> None:
+                 client_state_fn: Optional[Callable[[], Mapping[str, Any]]] = None,
+                 guard: Optional[CollectiveGuard] = None) -> None:
         self.engine = engine
         self.config = config
         self.checkpoint_dir = checkpoint_dir or checkpoint_dir_of(config)
@@ -217,13 +224,15 @@ class MechmonDeepSpeed:
         self._last_save_dir: Optional[str] = None
         self._handles: list = []
         self._originals: dict[str, Any] = {}
+        self.guard = process_guard(guard)
         if not config.enabled:
             self.session = MonitoringSession(config)  # disabled: allocates nothing, no hooks
             return
         report = self._validate_abort_inputs()  # bad input is refused here, before any hook or allocation
-        log_startup_warnings(report, _rank(), rename=as_key_message)  # the trainer logs these at its parse
+        log_startup_warnings(report, _rank(), spell=key_of)  # the trainer logs these at its parse
         # No tensor parallelism here: the reporting ranks send their records straight to the writer (one level).
-        self.comm = TorchDistributedCommunicator(writer_rank=WRITER_RANK) if _distributed() else LocalCommunicator()
+        self.comm = (TorchDistributedCommunicator(writer_rank=WRITER_RANK, guard=self.guard) if _distributed()
+                     else LocalCommunicator(self.guard))
         model = engine.module
         self._attention_sites = self._build_attention_sites(model) if "attn" in config.monitors else []
         self._routers: list[_RouterReader] = []
@@ -244,16 +253,14 @@ class MechmonDeepSpeed:
     def _build_attention_sites(self, model: torch.nn.Module) -> list[AttentionSite]:
         found = find_attention(model, self.config.extra.get("attention_mapping", ()), notice=_rank() == 0)
         if found and _tensor_parallel(self.engine) > 1:
-            if _rank() == 0:
-                logger.warning(
-                    "[mechmon] tensor-parallel attention (mpu) is not supported by the DeepSpeed adapter: "
-                    "attention monitors skipped"
-                )
+            log.warning("tensor-parallel attention (mpu) is not supported by the DeepSpeed adapter: attention "
+                        "monitors skipped", rank=0)
             return []
         sites = []
         for found_one, layer in zip(found, layer_numbers([f.name for f in found])):
             reader = _AttentionReader(
-                found_one, owner=(layer - 1) % _world() == _rank(), full_matrix=self.config.full_matrix_dw
+                found_one, owner=(layer - 1) % _world() == _rank(), full_matrix=self.config.full_matrix_dw,
+                guard=self.guard,
             )
             sites.append(AttentionSite(layer, reader.read_heads, reader.read_full, found_one.name,
                                        snapshot_budget=reader.budget(), reports=reader.owner))
@@ -264,7 +271,7 @@ class MechmonDeepSpeed:
         group, reports = _token_group(self.engine)
         sites = []
         for (name, gate), layer in zip(gates, layer_numbers([n for n, _ in gates])):
-            reader = _RouterReader(gate, group)
+            reader = _RouterReader(gate, group, self.guard)
             site = RouterSite(
                 layer_number=layer,
                 num_experts=int(
@@ -293,15 +300,13 @@ class MechmonDeepSpeed:
             if getattr(monitor, "tb_monitor", None) is None:
                 writers.append(TensorBoardScalarWriter.in_directory(self.config.log_dir))
         if not writers:
-            logger.warning(
-                "[mechmon] no output: enable a DeepSpeed monitor (tensorboard / csv_monitor / wandb) "
-                "or set mechmon.log_dir"
-            )
+            log.warning("no output: enable a DeepSpeed monitor (tensorboard / csv_monitor / wandb) or set "
+                        "mechmon.log_dir")
         return WriterGroup(writers)
 
     def _new_session(self) -> MonitoringSession:
         return MonitoringSession(
-            self.config, self._attention_sites, self._router_sites, comm=self.comm, writer=self.writer
+            self.config, self._attention_sites, self._router_sites, comm=self.comm, writer=self.writer, guard=self.guard
         )
 
     def _wrap(self, method: str, replacement) -> None:
@@ -325,13 +330,11 @@ class MechmonDeepSpeed:
         abort = self.config.action == "checkpoint-and-abort"
         directory = self.checkpoint_dir or self.config.log_dir
         flag = f"{PREFIX}.checkpoint_dir (attach(checkpoint_dir=...) or {PREFIX}.log_dir)"
-        try:  # the start-up rule of every host, on the folder the abort will really use
-            report = validate_startup(self.config, RunFacts(save_dir=directory, save_flag=flag if abort else None))
-        except ValueError as exc:
-            raise ValueError(as_key_message(str(exc))) from None
-        if abort and self.client_state_fn is None and _rank() == 0:
-            logger.info("[mechmon] the checkpoint-and-abort checkpoint holds no client state of the training loop "
-                        "(sampler position, counters): pass attach(engine, client_state_fn=...) to include it")
+        # the start-up rule of every host, on the folder the abort will really use
+        report = checked_startup(self.config, RunFacts(save_dir=directory, save_flag=flag if abort else None))
+        if abort and self.client_state_fn is None:
+            log.info("the checkpoint-and-abort checkpoint holds no client state of the training loop (sampler "
+                     "position, counters): pass attach(engine, client_state_fn=...) to include it", rank=0)
         return report
 
     def _start(self, iteration: int) -> None:
@@ -384,10 +387,10 @@ class MechmonDeepSpeed:
         if not _distributed() or _world() == 1:
             return per_rank({_rank(): state})
         try:
-            states = guard().gather_objects(state, 0, None, "the gather of every rank's mechmon state for a save")
-            states = guard().broadcast_object(states, 0, None, "the broadcast of every rank's mechmon state")
+            states = self.guard.gather_objects(state, 0, None, "the gather of every rank's mechmon state for a save")
+            states = self.guard.broadcast_object(states, 0, None, "the broadcast of every rank's mechmon state")
         except (CollectiveFailure, CollectivesOff) as exc:
-            logger.error("[mechmon] rank %d: %s; this checkpoint holds this rank's mechmon state only", _rank(), exc)
+            log.error("rank %d: %s; this checkpoint holds this rank's mechmon state only", _rank(), exc)
             return per_rank({_rank(): state})
         return per_rank(dict(enumerate(states)))
 
@@ -448,21 +451,21 @@ class MechmonDeepSpeed:
             try:  # validated at attach; a failure now still saves the model, without the user's part
                 client_state = user_client_state(self.client_state_fn, "client_state_fn()")
             except ValueError as exc:
-                logger.error("[mechmon] rank %d: %s; the abort checkpoint is saved without it", _rank(), exc)
+                log.error("rank %d: %s; the abort checkpoint is saved without it", _rank(), exc)
         client_state[CLIENT_ALERT_KEY] = alert
         self.engine.save_checkpoint(directory, tag=tag, client_state=client_state)
         self.session.on_abort_checkpoint_saved(iteration, os.path.join(directory, tag))
         self.session.close()
         if _distributed():
             try:
-                guard().barrier(None, "the barrier before the abort's exit")
+                self.guard.barrier(None, "the barrier before the abort's exit")
             except (CollectiveFailure, CollectivesOff) as exc:  # bounded by ds_config.mechmon.collective_timeout
-                logger.error("[mechmon] %s; exiting without it", exc)
+                log.error("%s; exiting without it", exc)
             # Leave together, with no collective in flight (gloo threads abort otherwise).
             dist.destroy_process_group()
         if self.comm.is_writer:
-            logger.error(
-                "[mechmon] checkpoint saved in %s; exiting with code %d",
+            log.error(
+                "checkpoint saved in %s; exiting with code %d",
                 os.path.join(directory, tag),
                 decision.exit_code,
             )

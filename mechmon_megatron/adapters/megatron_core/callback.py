@@ -7,7 +7,6 @@ same session from ``post_training_step_callbacks``.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -15,8 +14,6 @@ from mechmon_megatron.adapters.megatron_core.param_sync import force_param_sync,
 from mechmon_megatron.adapters.megatron_core.session_factory import McoreReads, build_mcore_session
 from mechmon_megatron.session.config import MechmonConfig
 from mechmon_megatron.session.session import MonitoringSession
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass

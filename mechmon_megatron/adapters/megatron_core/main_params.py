@@ -23,7 +23,8 @@ true update and flattens the spectrum the monitors read. So the session reads th
   (``x + 0 == x``, exact): twice the bytes of the whole parameter, to every replica.
   Either is a collective on check / snapshot steps only: **every rank of the group must call the
   reader, in the same order** (``reader.collective`` says so); the local part runs under
-  :func:`guarded_collective`, so a local failure raises on every rank instead of hanging.
+  ``CollectiveGuard.guarded`` (the guard the session factory passes to :func:`weight_reader`), so
+  a local failure raises on every rank instead of hanging.
   ``reader.traffic`` counts the FP32 elements this rank sent and received so far.
   With the precision-aware optimizer (Transformer Engine's FusedAdam holds the master weights)
   the shard comes from the optimizer's own accessor (``_get_main_param_and_optimizer_states``).
@@ -50,9 +51,10 @@ from typing import Any, Callable, Literal, Optional, Sequence, get_args
 import torch
 import torch.distributed as dist
 
-from mechmon_megatron.session.collective_guard import guard, guarded_collective
+from mechmon_megatron.session.collective_guard import CollectiveGuard
+from mechmon_megatron.session.log import mechmon_log
 
-logger = logging.getLogger(__name__)
+log = mechmon_log(__name__)
 
 Source = Literal["main", "model"]
 """Where a reader's tensor comes from: the optimizer's FP32 main parameter, or the model weight."""
@@ -272,11 +274,12 @@ def _part_positions(start: int, size: int, hidden: int, row_mask: Optional[torch
     return positions[row_mask[(start + positions) // hidden]]
 
 
-def _distributed_reader(optimizer: Any, param: torch.Tensor, layer: str, dp_group: Any) -> WeightReader:
+def _distributed_reader(optimizer: Any, param: torch.Tensor, layer: str, dp_group: Any,
+                        guard: CollectiveGuard) -> WeightReader:
     group = getattr(optimizer, "data_parallel_group", None)
     if group is None:
         group = dp_group
-    guard().declare(group)  # mechmon's own copy of it is made when the session starts
+    guard.declare(group)  # mechmon's own copy of it is made when the session starts
     numel, shape = param.numel(), param.shape
     hidden = int(shape[-1]) if len(shape) > 1 else 1
     use: dict[str, Any] = {"configured": False, "uses": True, "row_mask": None, "plan": None}
@@ -304,7 +307,7 @@ def _distributed_reader(optimizer: Any, param: torch.Tensor, layer: str, dp_grou
     def all_reduce(full: torch.Tensor) -> torch.Tensor:
         if distributed():
             size = dist.get_world_size(group)
-            guard().all_reduce(full, group, what)  # disjoint shards: exact
+            guard.all_reduce(full, group, what)  # disjoint shards: exact
             ring = 2 * (size - 1) * numel // size  # what a ring all-reduce moves each way per rank
             reader.traffic["sent"] += ring
             reader.traffic["received"] += ring
@@ -326,10 +329,10 @@ def _distributed_reader(optimizer: Any, param: torch.Tensor, layer: str, dp_grou
         def exchange(prepared: tuple[torch.Tensor, Optional[tuple[int, int]]]):
             mine, span = prepared
             parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-            guard().all_gather(parts, mine, group, f"{what} (layout)")
+            guard.all_gather(parts, mine, group, f"{what} (layout)")
             return [tuple(int(v) for v in p.cpu().tolist()) for p in parts], span
 
-        rows, span = guarded_collective(describe, exchange, group, f"{what} (layout)")
+        rows, span = guard.guarded(describe, exchange, group, f"{what} (layout)")
         mask = use["row_mask"]
         positions = [_part_positions(start, size, hidden, mask) if held else torch.zeros(0, dtype=torch.int64)
                      for _, start, size, held in rows]
@@ -359,7 +362,7 @@ def _distributed_reader(optimizer: Any, param: torch.Tensor, layer: str, dp_grou
         me, size = dist.get_rank(group), dist.get_world_size(group)
         received: Optional[list[torch.Tensor]] = None
         for user in layout.users:
-            inbox = guard().gather(part, user, group, what)  # the list on ``user`` only
+            inbox = guard.gather(part, user, group, what)  # the list on ``user`` only
             if user == me:
                 received = inbox
                 reader.traffic["received"] += (size - 1) * layout.pad
@@ -374,10 +377,10 @@ def _distributed_reader(optimizer: Any, param: torch.Tensor, layer: str, dp_grou
 
     def read() -> Optional[torch.Tensor]:
         if not distributed():
-            return guarded_collective(local_full, all_reduce, group, what=what)
+            return guard.guarded(local_full, all_reduce, group, what=what)
         if not use["configured"]:
-            return guarded_collective(local_full, all_reduce, group, what=what)
-        return guarded_collective(local_part, gather, group, what=what)
+            return guard.guarded(local_full, all_reduce, group, what=what)
+        return guard.guarded(local_part, gather, group, what=what)
 
     reader = WeightReader(
         read,
@@ -391,14 +394,15 @@ def _distributed_reader(optimizer: Any, param: torch.Tensor, layer: str, dp_grou
     return reader
 
 
-def _main_reader(optimizer: Any, param: torch.Tensor, layer: str, dp_group: Any) -> tuple[Optional[WeightReader], str]:
+def _main_reader(optimizer: Any, param: torch.Tensor, layer: str, dp_group: Any,
+                 guard: CollectiveGuard) -> tuple[Optional[WeightReader], str]:
     """A main-parameter reader, or (None, why not)."""
     classes = _optimizer_classes()
     unknown: list[str] = []
     for member in _members(optimizer, classes):
         if isinstance(member, classes["distributed"]):
             if _in_buffers(member, param):
-                return _distributed_reader(member, param, layer, dp_group), ""
+                return _distributed_reader(member, param, layer, dp_group, guard), ""
         elif isinstance(member, classes["float16"]):
             reader = _float16_reader(member, param, layer)
             if reader is not None:
@@ -419,6 +423,7 @@ def weight_reader(
     layer: str = "",
     setting: WeightSetting = DEFAULT_WEIGHT_SETTING,
     notices: Optional[set[str]] = None,
+    guard: CollectiveGuard,
 ) -> tuple[WeightReader, Source]:
     """Resolve how to read ``param`` (e.g. a ``linear_qkv.weight`` TP shard): ``(reader, source)``.
 
@@ -428,8 +433,9 @@ def weight_reader(
     (any kind; None = none known). ``dp_group``: the data-parallel group, used only when the
     distributed optimizer does not name its own. ``layer`` names the parameter in messages.
     A fallback to the model weight is logged once per reason (``notices`` collects the reasons
-    already logged; pass one set for all layers). Raises ValueError for a quantized weight that
-    must be read and cannot be dequantized.
+    already logged; pass one set for all layers). ``guard``: the collective guard a collective
+    reader runs through (the process's, from the host). Raises ValueError for a quantized weight
+    that must be read and cannot be dequantized.
     """
     setting = resolve_weight_setting(setting)
     layer = layer or "<unnamed>"
@@ -440,7 +446,7 @@ def weight_reader(
     elif optimizer is None:
         reason = "no optimizer given to the session"
     else:
-        reader, reason = _main_reader(optimizer, param, layer, dp_group)
+        reader, reason = _main_reader(optimizer, param, layer, dp_group, guard)
         if reader is not None:
             return reader, "main"
     reader = model_weight_reader(param, layer, reason)
@@ -453,12 +459,14 @@ def weight_readers(
     optimizer: Any,
     dp_group: Any = None,
     setting: Optional[str] = None,
+    *,
+    guard: CollectiveGuard,
 ) -> list[tuple[WeightReader, Source]]:
     """:func:`weight_reader` for each ``(layer name, parameter)``, each notice logged once."""
     notices: set[str] = set()
     resolved = resolve_weight_setting(setting)
     return [
-        weight_reader(param, optimizer, dp_group, layer=name, setting=resolved, notices=notices)
+        weight_reader(param, optimizer, dp_group, layer=name, setting=resolved, notices=notices, guard=guard)
         for name, param in named_params
     ]
 
@@ -471,5 +479,5 @@ def _notice_once(reason: str, setting: str, notices: Optional[set[str]], dp_grou
     if dist.is_available() and dist.is_initialized() and dist.get_rank(dp_group) > 0:
         return  # one data-parallel replica speaks for all
     expected = setting == "model" or reason.startswith("FP32 parameters")
-    log = logger.info if expected else logger.warning
-    log("[mechmon] reading the model weights, not FP32 main parameters: %s", reason)
+    log.log(logging.INFO if expected else logging.WARNING,
+            "reading the model weights, not FP32 main parameters: %s", reason)

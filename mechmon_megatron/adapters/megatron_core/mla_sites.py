@@ -41,7 +41,7 @@ from mechmon_megatron.adapters.megatron_core.norms import (
 )
 from mechmon_megatron.adapters.megatron_core.tp_gather import read_and_gather_rows
 from mechmon_megatron.monitors.mla_increment import MLAWeights
-from mechmon_megatron.session.collective_guard import guard
+from mechmon_megatron.session.collective_guard import CollectiveGuard
 from mechmon_megatron.session.host import FullQK, MLAHeads, SnapshotBudget
 
 
@@ -74,14 +74,15 @@ class _Tensor:
 
 
 class MLAReader:
-    """Reads one MLA layer's per-head and full-matrix weights on one rank."""
+    """Reads one MLA layer's per-head and full-matrix weights on one rank (its gathers through ``guard``)."""
 
     def __init__(self, found: FoundAttention, tp_group: Any, full_matrix: bool, dp_rank: int, dp: int,
-                 weight_source: Optional[WeightSource], tp: int, tp_rank: int) -> None:
+                 weight_source: Optional[WeightSource], tp: int, tp_rank: int, guard: CollectiveGuard) -> None:
         module = found.module
         cfg = module.config
         self.layer_number = found.layer_number
         self.tp_group, self.tp, self.tp_rank = tp_group, tp, tp_rank
+        self.guard = guard
         if not hasattr(module, "linear_kv_up_proj"):
             raise UnsupportedLayout("absorbed MLA (cache_mla_latents removed linear_kv_up_proj)")
         self.n_h = int(cfg.num_attention_heads)
@@ -140,7 +141,7 @@ class MLAReader:
         self.kv_norm = None if kv_norm is None else GammaReader(kv_norm, weight_source, self.heads_owner)
         self._read: Optional[dict[str, Optional[torch.Tensor]]] = None
         if tp > 1:
-            guard().declare(tp_group)  # mechmon's own copy, for the gathers of row-split projections
+            guard.declare(tp_group)  # mechmon's own copy, for the gathers of row-split projections
 
     def _up(self, param: torch.nn.Parameter, per_head: int, what: str, weight_source: Optional[WeightSource]):
         rows = self.np_local * per_head
@@ -157,7 +158,7 @@ class MLAReader:
     def _whole(self, tensor: _Tensor, gather: bool) -> Optional[torch.Tensor]:
         if tensor.split and gather:
             _, whole = read_and_gather_rows(tensor.read, self.tp_group,
-                                             f"layer {self.layer_number} {tensor.what}")
+                                             f"layer {self.layer_number} {tensor.what}", self.guard)
             return whole
         return tensor.read()
 
@@ -178,7 +179,7 @@ class MLAReader:
             # Every TP rank of the full-matrix replica joins the gather; the per-head read is local.
             if self.full_replica and self.tp > 1:
                 read["q_proj"], read["q_proj_whole"] = read_and_gather_rows(
-                    self.q_proj.read, self.tp_group, f"layer {self.layer_number} linear_q_proj")
+                    self.q_proj.read, self.tp_group, f"layer {self.layer_number} linear_q_proj", self.guard)
             else:
                 read["q_proj"] = read["q_proj_whole"] = self.q_proj.read()
         else:

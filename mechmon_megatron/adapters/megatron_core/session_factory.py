@@ -1,8 +1,11 @@
-"""Build a monitoring session for megatron-core model chunks (any TP / PP / EP / DP layout)."""
+"""Build a monitoring session for megatron-core model chunks (any TP / PP / EP / DP layout).
+
+The one place this host looks up the process's collective guard (``collective_guard.guard()``):
+the communicator, the sites, the main-parameter readers and the session all receive it from here.
+"""
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -13,14 +16,16 @@ import torch.distributed as dist
 from mechmon_megatron.adapters.megatron_core.discovery import find_left_out, find_modules, unwrap
 from mechmon_megatron.adapters.megatron_core.main_params import weight_reader
 from mechmon_megatron.adapters.megatron_core.sites import attention_sites, router_sites
+from mechmon_megatron.session import collective_guard
 from mechmon_megatron.session.config import MechmonConfig
-from mechmon_megatron.session.host import LocalCommunicator, TorchDistributedCommunicator
+from mechmon_megatron.session.host import Communicator, LocalCommunicator, TorchDistributedCommunicator
 from mechmon_megatron.session.host_settings import graphed_router
+from mechmon_megatron.session.log import mechmon_log
 from mechmon_megatron.session.session import MonitoringSession
 from mechmon_megatron.session.startup import graphed_router_message, log_left_out, log_monitoring
 from mechmon_megatron.session.writers import JsonlScalarWriter, ScalarWriter, TensorBoardScalarWriter, WriterGroup
 
-logger = logging.getLogger(__name__)
+log = mechmon_log(__name__)
 
 JSONL_NAME = "mechmon_scalars.jsonl"
 
@@ -66,8 +71,7 @@ class McoreReads:
             try:
                 fetch()
             except Exception as exc:  # noqa: BLE001 -- a monitor read never stops training
-                logger.warning("[mechmon] iteration %d: router weight prefetch failed: %s: %s", iteration,
-                               type(exc).__name__, exc)
+                log.warning("iteration %d: router weight prefetch failed: %s: %s", iteration, type(exc).__name__, exc)
 
 
 def build_writer(
@@ -109,6 +113,7 @@ def build_mcore_session(
     if not config.enabled:
         return MonitoringSession(config)
     distributed = dist.is_available() and dist.is_initialized()
+    guard = collective_guard.guard()  # this process's; passed to everything below
     found_attention, found_routers = find_modules(model_chunks)
     if "router" in config.monitors:
         for item in found_routers:  # the same rule as the parse-time check, on the model's own config
@@ -127,10 +132,10 @@ def build_mcore_session(
             reduce_group = ps.get_data_parallel_group(with_context_parallel=True)
         dp_group = ps.get_data_parallel_group(with_context_parallel=True)
         # The records travel to one owner per TP group first, then the owners to the writer.
-        comm = TorchDistributedCommunicator(writer_rank=writer_rank, owner_group=tp_group)
+        comm: Communicator = TorchDistributedCommunicator(writer_rank=writer_rank, owner_group=tp_group, guard=guard)
     else:
         tp_group, dp_rank, dp, tp_rank, reduce_group, dp_group = None, 0, 1, 0, None, None
-        comm = LocalCommunicator()
+        comm = LocalCommunicator(guard)
     layer_names = {id(param): f"layer {item.layer_number} ({item.name}.{name})"
                    for item in found_attention for name, param in item.module.named_parameters()}
     notices: set[str] = set()
@@ -138,7 +143,7 @@ def build_mcore_session(
     def weight_source(param: torch.nn.Parameter):
         # Decided at start-up from the layout only, so every DP rank agrees on collective reads.
         reader, source = weight_reader(param, optimizer, dp_group, layer=layer_names.get(id(param), ""),
-                                       setting=config.weights, notices=notices)
+                                       setting=config.weights, notices=notices, guard=guard)
         if source == "model" and reads is not None:
             reads.model_weights += 1
         return reader
@@ -149,7 +154,7 @@ def build_mcore_session(
         # to the reporting rank, on every rank, by the host's prefetch before the session runs.
         name = f"router of {router_names[id(router)]}"
         reader, source = weight_reader(router.weight, optimizer, dp_group, layer=name, setting=config.weights,
-                                       notices=notices)
+                                       notices=notices, guard=guard)
         if source == "model":
             if reads is not None:
                 reads.model_weights += 1
@@ -179,25 +184,25 @@ def build_mcore_session(
     # Every rank lists its stage's layers: the work is spread over the DP x TP ranks (sites.py).
     left_out = find_left_out(model_chunks) if "attn" in config.monitors else []
     attn = attention_sites(found_attention, tp_group, config.full_matrix_dw, dp_rank=dp_rank, dp=dp,
-                           weight_source=weight_source, left_out=left_out)
+                           weight_source=weight_source, left_out=left_out, guard=guard)
     routers = router_sites(
         found_routers,
         reduce_group,
         reports=reporting,
         capture_enabled=lambda: holder["session"].capturing,
         weight_source=router_weight if optimizer is not None else None,
+        guard=guard,
     )
     writer = build_writer(config, comm.is_writer, host_tensorboard, tensorboard_dir)
     if comm.is_writer:
         writer.writers.extend(extra_writers)
-    session = MonitoringSession(config, attn, routers, comm=comm, writer=writer)
+    session = MonitoringSession(config, attn, routers, comm=comm, writer=writer, guard=guard)
     holder["session"] = session
     _notice(config, attn, found_routers)
     if reporting:  # one rank per pipeline stage names its stage's layers
         log_left_out(left_out)
     if config.short_window and any(item.kind == "mla" for item in found_attention) and reporting:
-        logger.info("[mechmon] --mechmon-short-window: multi-head latent attention layers are checked on the "
-                    "long window only")
+        log.info("--mechmon-short-window: multi-head latent attention layers are checked on the long window only")
     return session
 
 

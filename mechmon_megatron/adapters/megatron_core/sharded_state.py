@@ -15,17 +15,17 @@ first, so older checkpoints without it load, and the caller falls back to the ol
 from __future__ import annotations
 
 import copy
-import logging
 from collections.abc import Mapping, MutableMapping
 from typing import Any, Optional
 
 import torch
 
+from mechmon_megatron.session.log import mechmon_log
 from mechmon_megatron.session.state_format import STATE_KEY, state_of
 
 __all__ = ["add_load_template", "loaded_state", "rank_and_world", "saved_world", "state_shard"]
 
-logger = logging.getLogger(__name__)
+log = mechmon_log(__name__)
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -73,9 +73,8 @@ def add_load_template(template: MutableMapping[str, Any], checkpoint_dir: str) -
         return False
     rank, world = rank_and_world()
     if world_then != world:
-        if rank == 0:
-            logger.warning("[mechmon] %s holds mechmon state of %d ranks, this job has %d: not restored, the "
-                           "detectors start with a fresh baseline", checkpoint_dir, world_then, world)
+        log.warning("%s holds mechmon state of %d ranks, this job has %d: not restored, the detectors start with "
+                    "a fresh baseline", checkpoint_dir, world_then, world, rank=0)
         return False
     template[STATE_KEY] = ShardedObject(STATE_KEY, None, (world,), (rank,), replica_id=0)
     return True

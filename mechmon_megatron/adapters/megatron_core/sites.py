@@ -9,8 +9,9 @@ rank that holds a copy of the layer):
   holds whole query groups (ng >= tp), otherwise from the TP-gathered weight (ng < tp). The
   full-matrix dW of layer L runs on one rank of the DP x TP grid: index ``j = (L - 1) % (dp * tp)``,
   i.e. replica ``j // tp``, TP rank ``j % tp``, from the TP-gathered weight.
-* Every collective runs through ``collective_guard`` on mechmon's own copy of its group (bounded
-  by ``--mechmon-collective-timeout``): a rank whose own part fails makes every rank of the group
+* Every collective runs through the process's collective guard (``session/collective_guard.py``,
+  passed in by the session factory) on mechmon's own copy of its group (bounded by
+  ``--mechmon-collective-timeout``): a rank whose own part fails makes every rank of the group
   raise instead of leaving them waiting in the collective, and a failure inside the collective
   costs its peers at most the timeout.
 * Routers: every rank lists them; token statistics (entropy of the logits, load from the router's
@@ -21,7 +22,6 @@ rank that holds a copy of the layer):
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable, Optional
 
 import torch
@@ -33,13 +33,14 @@ from mechmon_megatron.adapters.megatron_core.norms import GammaReader, NormSpec,
 from mechmon_megatron.adapters.megatron_core.tp_gather import group_rank, group_size, read_and_gather_rows
 from mechmon_megatron.monitors.norm_fold import NormFold
 from mechmon_megatron.monitors.router import check_score_function
-from mechmon_megatron.session.collective_guard import guard
+from mechmon_megatron.session.collective_guard import CollectiveGuard
 from mechmon_megatron.session.host import AttentionSite, FullQK, QKWeights, RouterSite, SnapshotBudget
 from mechmon_megatron.session.host_settings import in_backward
+from mechmon_megatron.session.log import mechmon_log
 from mechmon_megatron.session.qkv_layout import qkv_row_indices, split_qk
 from mechmon_megatron.session.router_check import NON_SOFTMAX_FLOOR_NOTICE, entropy_floor_applies
 
-logger = logging.getLogger(__name__)
+log = mechmon_log(__name__)
 
 WeightSource = Callable[[torch.nn.Parameter], Callable[[], torch.Tensor]]
 """Given a ``linear_qkv.weight``, a reader of the weights to monitor (e.g. FP32 main parameters).
@@ -47,10 +48,10 @@ The reader may be a collective over the data-parallel group: every rank calls it
 
 
 class _AttentionReader:
-    """Reads per-head and full Q/K weights of one SelfAttention on one rank."""
+    """Reads per-head and full Q/K weights of one SelfAttention on one rank (its gathers through ``guard``)."""
 
-    def __init__(self, found: FoundAttention, tp_group: Any, full_matrix: bool, dp_rank: int = 0, dp: int = 1,
-                 weight_source: Optional[WeightSource] = None) -> None:
+    def __init__(self, found: FoundAttention, tp_group: Any, full_matrix: bool, dp_rank: int, dp: int,
+                 weight_source: Optional[WeightSource], guard: CollectiveGuard) -> None:
         module = found.module
         self.full_matrix = full_matrix
         cfg = module.config
@@ -60,7 +61,8 @@ class _AttentionReader:
             weight_source(self.weight) if weight_source is not None else (lambda: self.weight.detach())
         )
         self.tp_group = tp_group
-        guard().declare(tp_group)  # mechmon's own copy is made when the session starts
+        self.guard = guard
+        guard.declare(tp_group)  # mechmon's own copy is made when the session starts
         self.tp = group_size(tp_group)
         self.tp_rank = group_rank(tp_group)
         self.np = cfg.num_attention_heads
@@ -113,7 +115,7 @@ class _AttentionReader:
         # read_weight may itself be a data-parallel collective (sharded FP32 main parameters).
         if self.gathers:
             local, self._gathered = read_and_gather_rows(self.read_weight, self.tp_group,
-                                                          f"layer {self.layer_number} Q/K weights")
+                                                          f"layer {self.layer_number} Q/K weights", self.guard)
         else:
             local = self.read_weight()
         self._local = local
@@ -166,9 +168,11 @@ def attention_sites(
     weight_source: Optional[WeightSource] = None,
     element_size: Optional[int] = None,
     left_out: Optional[list[LeftOut]] = None,
+    *,
+    guard: CollectiveGuard,
 ) -> list[AttentionSite]:
     """One site per attention layer of this rank's stage; see the module docstring for who does what
-    (``mla_sites.py`` for multi-head latent attention).
+    (``mla_sites.py`` for multi-head latent attention). Their collectives run through ``guard``.
 
     ``weight_source``: what to read (default: the model weight); ``element_size``: bytes per
     element of that read (default: 4 for FP32 main parameters, else the model weight's), for the
@@ -182,9 +186,9 @@ def attention_sites(
         group = getattr(item.module, "tp_group", None) or tp_group
         try:
             if item.kind == "mla":
-                sites.append(_mla_site(item, group, full_matrix, dp_rank, dp, weight_source, element_size))
+                sites.append(_mla_site(item, group, full_matrix, dp_rank, dp, weight_source, element_size, guard))
                 continue
-            reader = _AttentionReader(item, group, full_matrix, dp_rank, dp, weight_source)
+            reader = _AttentionReader(item, group, full_matrix, dp_rank, dp, weight_source, guard)
         except UnsupportedLayout as exc:
             if left_out is not None:
                 left_out.append(LeftOut(item.layer_number, item.name, str(exc)))
@@ -198,9 +202,10 @@ def attention_sites(
 
 
 def _mla_site(item: FoundAttention, group: Any, full_matrix: bool, dp_rank: int, dp: int,
-              weight_source: Optional[WeightSource], element_size: Optional[int]) -> AttentionSite:
+              weight_source: Optional[WeightSource], element_size: Optional[int],
+              guard: CollectiveGuard) -> AttentionSite:
     tp, tp_rank = group_size(group), group_rank(group)
-    reader = MLAReader(item, group, full_matrix, dp_rank, dp, weight_source, tp, tp_rank)
+    reader = MLAReader(item, group, full_matrix, dp_rank, dp, weight_source, tp, tp_rank, guard)
     param = item.module.linear_kv_up_proj.weight
     main = getattr(reader.kv_up, "source", "model") == "main"
     size = element_size if element_size is not None else (4 if main else param.element_size())
@@ -211,7 +216,7 @@ def _mla_site(item: FoundAttention, group: Any, full_matrix: bool, dp_rank: int,
 
 def router_sites(
     found: list[FoundRouter], reduce_group: Any, reports: bool, capture_enabled: Callable[[], bool],
-    weight_source: Optional[Callable[[Any], Callable[[], torch.Tensor]]] = None,
+    weight_source: Optional[Callable[[Any], Callable[[], torch.Tensor]]] = None, *, guard: CollectiveGuard,
 ) -> list[RouterSite]:
     """Router sites plus a capture wrapper around each router's ``routing`` (logits and routing map).
 
@@ -221,10 +226,11 @@ def router_sites(
     routing-entropy floor: the reporting rank logs that once (``NON_SOFTMAX_FLOOR_NOTICE``).
     ``weight_source(router)``: how the reporting rank reads the router weight (default: the model
     weight; the session factory passes the FP32 main parameter under ``--mechmon-weights main``).
+    The all-reduces of the token statistics run through ``guard``.
     """
     sites = []
     if found:
-        guard().declare(reduce_group)
+        guard.declare(reduce_group)
     for item in found:
         module = item.module
         settings = router_settings(module)
@@ -235,7 +241,7 @@ def router_sites(
                 return vector.cpu()
             # fp64 for exact integer counts; NCCL needs the tensor on the module's device.
             work = vector.to(device=_device, dtype=torch.float64)
-            guard().all_reduce(work, _group, f"the router all-reduce of layer {_layer}")
+            guard.all_reduce(work, _group, f"the router all-reduce of layer {_layer}")
             return work.cpu()
 
         site = RouterSite(
@@ -262,7 +268,7 @@ def _notice_non_softmax(sites: list[RouterSite]) -> None:
         if not entropy_floor_applies(site):
             by_score.setdefault(site.score_function, []).append(site.layer_number)
     for score, layers in sorted(by_score.items()):
-        logger.warning(NON_SOFTMAX_FLOOR_NOTICE.format(score=score, layers=", ".join(map(str, layers))))
+        log.warning(NON_SOFTMAX_FLOOR_NOTICE.format(score=score, layers=", ".join(map(str, layers))))
 
 
 def install_routing_capture(

@@ -18,14 +18,15 @@ writer rank's holds the detectors), is saved per rank:
   ``iter_XXXXXXX/mechmon_state/rank_RRRRR.json`` after the save and reads its own on resume.
 
 The older ``iter_XXXXXXX/mechmon_state.json`` (the writer's state only) still loads, with one
-notice. :mod:`.install` wires these hooks into ``megatron.training.training`` and
-``megatron.training.checkpointing``.
+notice (its reader, like every reader of an older layout, is ``session/state_format.py``).
+:mod:`.install` wires these hooks into ``megatron.training.training`` and
+``megatron.training.checkpointing``. The hooks' own collective (the barrier before an abort's
+exit) runs through the session's collective guard.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 from typing import Any, Callable, Optional, Sequence
 
@@ -40,19 +41,20 @@ from mechmon_megatron.adapters.megatron_core import (
     state_shard,
 )
 from mechmon_megatron.cli.args import config_from_args
-from mechmon_megatron.session.collective_guard import CollectiveFailure, CollectivesOff, guard
+from mechmon_megatron.session.collective_guard import CollectiveFailure, CollectiveGuard, CollectivesOff
 from mechmon_megatron.session.config import MechmonConfig
+from mechmon_megatron.session.log import mechmon_log
 from mechmon_megatron.session.rollback_reach import missing_saves_notice
 from mechmon_megatron.session.session import MonitoringSession
-from mechmon_megatron.session.state_format import STATE_KEY, legacy_notice, state_of
+from mechmon_megatron.session.state_format import MEGATRON_LM_SINGLE_FILE, STATE_KEY, megatron_lm_file_state
 from mechmon_megatron.session.writers import WandbScalarWriter
 
-logger = logging.getLogger(__name__)
+log = mechmon_log(__name__)
 
 STATE_DIR = "mechmon_state"
 """Per-rank state files under ``iter_XXXXXXX/``: ``rank_RRRRR.json`` (``--ckpt-format torch``; beside a
 torch_dist checkpoint only from an older mechmon)."""
-STATE_FILENAME = "mechmon_state.json"
+STATE_FILENAME = MEGATRON_LM_SINGLE_FILE
 """The older single file of the writer rank's state (mechmon <= 0.3): still read on resume."""
 DIST_FORMAT = "torch_dist"
 """Megatron's ``--ckpt-format`` whose checkpoint holds mechmon's state itself."""
@@ -82,14 +84,15 @@ def checkpoint_iter_dir(save_dir: str, iteration: int, release: bool = False, ch
 
 
 def rollback_reach_line(args: Any, config: MechmonConfig) -> Optional[str]:
-    """The start-up line when an abort could not be rolled back to before its change point
-    (``session.rollback_reach.missing_saves_notice``); None when the saves can reach back (Megatron-LM
-    deletes no persistent checkpoint) or the action is not checkpoint-and-abort."""
+    """The start-up line (after the ``[mechmon]`` prefix) when an abort could not be rolled back to
+    before its change point (``session.rollback_reach.missing_saves_notice``); None when the saves
+    can reach back (Megatron-LM deletes no persistent checkpoint) or the action is not
+    checkpoint-and-abort."""
     if config.action != "checkpoint-and-abort":
         return None
     line = missing_saves_notice(getattr(args, "save", None), getattr(args, "save_interval", None),
                                 config.interval, config.delta)
-    return f"[mechmon] --mechmon-action {line}" if line else None
+    return f"--mechmon-action {line}" if line else None
 
 
 def _rank() -> int:
@@ -114,29 +117,19 @@ def write_state(directory: str, state: dict, rank: Optional[int] = None) -> str:
 
 
 def read_state(directory: str, rank: Optional[int] = None, older: bool = False) -> Optional[dict]:
-    """This rank's state file, or the older single file's (one notice), or None.
+    """This rank's state file, or the older single file's (one notice), or None
+    (``state_format.megatron_lm_file_state``).
 
     ``older``: the per-rank files are themselves the older layout (beside a torch_dist checkpoint
     that lacks the ``mechmon`` entry): one notice too."""
-    path = state_path(directory, _rank() if rank is None else rank)
-    if os.path.isfile(path):
-        if older:
-            legacy_notice("megatron-lm-rank-json", path)
-        with open(path, encoding="utf-8") as f:
-            return state_of(json.load(f), path)
-    legacy = os.path.join(directory, STATE_FILENAME)
-    if not os.path.isfile(legacy):
-        return None
-    legacy_notice("megatron-lm-json", legacy)
-    with open(legacy, encoding="utf-8") as f:
-        return json.load(f)
+    return megatron_lm_file_state(state_path(directory, _rank() if rank is None else rank), directory, older)
 
 
-def _barrier() -> None:
+def _barrier(guard: CollectiveGuard) -> None:
     try:
-        guard().barrier(None, "the barrier before the abort's exit")
+        guard.barrier(None, "the barrier before the abort's exit")
     except (CollectiveFailure, CollectivesOff) as exc:  # bounded by --mechmon-collective-timeout
-        logger.error("[mechmon] %s; exiting without it", exc)
+        log.error("%s; exiting without it", exc)
 
 
 class MegatronLMHooks:
@@ -193,8 +186,8 @@ class MegatronLMHooks:
                                           reads=self.reads, **common)
         self.session = session
         line = rollback_reach_line(args, self.config)
-        if line and _rank() == 0:
-            logger.warning(line)
+        if line:
+            log.warning(line, rank=0)
         self._restore(args, start_iteration)
         session.on_train_start(start_iteration)
         return session
@@ -210,15 +203,15 @@ class MegatronLMHooks:
         else:
             state = read_state(directory, older=in_dist_checkpoint(args))
         if state is None:
-            logger.info("[mechmon] no mechmon state (the %r entry, %s/ or %s) in %s: detectors start with a fresh "
-                        "baseline", STATE_KEY, STATE_DIR, STATE_FILENAME, directory)
+            log.info("no mechmon state (the %r entry, %s/ or %s) in %s: detectors start with a fresh baseline",
+                     STATE_KEY, STATE_DIR, STATE_FILENAME, directory)
             return
         session = self.session
         session.load_state_dict(state)
         # The state was taken before its own save was recorded: the run resumes from that checkpoint.
         if not any(c.get("iteration") == start_iteration for c in session.checkpoints):
             session.on_checkpoint_saved(start_iteration, checkpoint_iter_dir(load, start_iteration))
-        logger.info("[mechmon] restored detector state from %s", directory)
+        log.info("restored detector state from %s", directory)
 
     # -- Megatron's distributed checkpoint (--ckpt-format torch_dist)
     def sharded_entry(self, args: Any) -> Any:
@@ -279,7 +272,7 @@ class MegatronLMHooks:
         self.exit_code = decision.exit_code
         args.exit_interval = iteration
         if not getattr(args, "save", None):
-            logger.warning("[mechmon] checkpoint-and-abort without --save: Megatron exits without a checkpoint")
+            log.warning("checkpoint-and-abort without --save: Megatron exits without a checkpoint")
         return True
 
     def after_save(self, iteration: int, non_persistent: bool = False) -> None:
@@ -300,7 +293,7 @@ class MegatronLMHooks:
         save = getattr(self._get_args(), "save", None)
         directory = checkpoint_iter_dir(save, self.abort_iteration) if save else None
         path = self.session.on_abort_checkpoint_saved(self.abort_iteration, directory)
-        _barrier()  # no rank exits (and makes the launcher kill the writer) before the alert exists
+        _barrier(self.session.guard)  # no rank exits (and makes the launcher kill the writer) before the alert exists
         self.close()
         return path
 

@@ -39,17 +39,16 @@ from __future__ import annotations
 
 import functools
 import importlib
-import logging
-import os
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:  # the hooks (torch, megatron-core) load in install(): mechmon-patch stays light
     from mechmon_megatron.adapters.megatron_lm.hooks import MegatronLMHooks
 
 from mechmon_megatron.adapters.megatron_lm.lr_override import retarget_param_groups
+from mechmon_megatron.session.log import mechmon_log
 from mechmon_megatron.session.state_format import STATE_KEY
 
-logger = logging.getLogger(__name__)
+log = mechmon_log(__name__)
 
 TRAINING_MODULE = "megatron.training.training"
 HOOKED = ("train_step", "post_training_step_callbacks", "save_checkpoint", "train")
@@ -130,8 +129,8 @@ def wrap_training_module(training: Any, hooks: MegatronLMHooks) -> None:
                 hooks.close()
                 raise
             hooks.finish_abort()
-            logger.warning(
-                "[mechmon] checkpoint-and-abort at iteration %d: exiting with code %d",
+            log.warning(
+                "checkpoint-and-abort at iteration %d: exiting with code %d",
                 hooks.abort_iteration,
                 hooks.exit_code,
             )
@@ -176,10 +175,10 @@ def wrap_checkpointing_module(checkpointing: Any, hooks: MegatronLMHooks) -> Non
             hooks.take_loaded(result[0], checkpoint_dir)
         if not rank0 and getattr(args, "override_opt_param_scheduler", False) and isinstance(result[0], dict):
             changed = retarget_param_groups(result[0].get("optimizer"), args)
-            if changed and os.environ.get("RANK", "0") == "0":
-                logger.info("[mechmon] --override-opt_param-scheduler: %d optimizer param group(s) of %s take "
-                            "max_lr / min_lr from --lr %s --min-lr %s, not from the checkpoint", changed,
-                            checkpoint_dir, getattr(args, "lr", None), getattr(args, "min_lr", None))
+            if changed:
+                log.info("--override-opt_param-scheduler: %d optimizer param group(s) of %s take max_lr / min_lr "
+                         "from --lr %s --min-lr %s, not from the checkpoint", changed, checkpoint_dir,
+                         getattr(args, "lr", None), getattr(args, "min_lr", None), rank=0)
         return result
 
     _install(checkpointing, original, {"generate_state_dict": generate_state_dict,
@@ -224,8 +223,8 @@ def install(training_module: Any = None, checkpointing_module: Any = None) -> Me
         get_wandb_writer=getattr(global_vars, "get_wandb_writer", lambda: None),
     )
     if _has_callback_api():
-        logger.info(
-            "[mechmon] megatron.training.callbacks found; using the module-global hooks, which fire at the same points"
+        log.info(
+            "megatron.training.callbacks found; using the module-global hooks, which fire at the same points"
         )
     wrap_checkpointing_module(checkpointing, hooks)  # first: a missing function leaves nothing wrapped
     wrap_training_module(training, hooks)
@@ -248,7 +247,7 @@ def _validate_flags_at_parse() -> None:
     try:
         run.wrap_argument_parsing(arguments)
     except run.LaunchError as exc:
-        logger.warning("[mechmon] %s; the --mechmon flags are checked at the first training step instead", exc)
+        log.warning("%s; the --mechmon flags are checked at the first training step instead", exc)
 
 
 def _has_callback_api() -> bool:
