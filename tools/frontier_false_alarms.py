@@ -162,7 +162,7 @@ def main(argv=None) -> int:
         "expected_false_alarms_per_million_steps": expected_false_alarms(shape, thresholds, table, args.checks)
         * 1e6
         / steps,
-        "thresholds": account["thresholds"],
+        "thresholds": account.to_dict()["thresholds"],
         "fit": fit,
         "tail_check_leave_one_out": leave_one_out(series, args.interval, every),
         "old_per_stream_rule": {

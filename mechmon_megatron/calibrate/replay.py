@@ -17,7 +17,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE, JobShape, TailTable, thresholds_for_job
+from mechmon_megatron.detect.null_model import (
+    DEFAULT_FALSE_ALARM_RATE,
+    JobShape,
+    TailTable,
+    ThresholdAccount,
+    thresholds_for_job,
+)
 from mechmon_megatron.detect.pooled_cusum import (
     FAMILY_DIRECTIONS,
     OPTIONAL_FAMILIES,
@@ -103,7 +109,7 @@ def proxy_shape(checks: Checks, interval: int, overlap: int) -> JobShape:
 
 def thresholds_at_rate(
     checks: Checks, interval: int, overlap: int, rate: float, table: TailTable, shewhart: bool = False
-) -> tuple[dict[str, FamilyThresholds], dict[str, Any]]:
+) -> tuple[dict[str, FamilyThresholds], ThresholdAccount]:
     """The thresholds (and their account) a job of this run's shape would get at ``rate`` false
     alarms per 10^6 steps from ``table``."""
     return thresholds_for_job(proxy_shape(checks, interval, overlap), rate, table, shewhart=shewhart)
@@ -144,7 +150,7 @@ def replay_healthy(checks: Checks, interval: int, overlap: int, table: TailTable
     alarms, misfits and every family's margins."""
     thresholds, account = thresholds_at_rate(checks, interval, overlap, rate, table)
     replay = replay_pooled(checks, thresholds, default_sequential_config(interval),
-                           warning_probability=account["warning_per_test_check_probability"])
+                           warning_probability=account.warning_per_test_check_probability)
     out = DetectorReplay(run_id=run_id, interval=interval, steps=checks[-1][0] if checks else 0,
                          misfits=[list(m) for m in replay.misfits])
     out.alarms = [{"step": a.step, "family": a.family, "level": a.level, "layers": list(a.layers),

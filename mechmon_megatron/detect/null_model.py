@@ -51,6 +51,7 @@ __all__ = [
     "JobShape",
     "NullTail",
     "TailTable",
+    "ThresholdAccount",
     "fit_null_tail",
     "load_tail_table",
     "per_test_probability",
@@ -354,6 +355,53 @@ def load_tail_table(path: Optional[str] = None) -> TailTable:
     return TailTable.from_dict(data)
 
 
+@dataclass(frozen=True)
+class ThresholdAccount:
+    """How one job's thresholds follow from its false-alarm rate (:func:`thresholds_for_job`).
+
+    Probabilities are per test and per check; ``layers``: family -> layers (the job's tests are
+    one per layer, plus one per family of more than one layer)."""
+
+    false_alarm_rate_per_million_steps: float
+    tests: int
+    checks_per_million_steps: float
+    per_test_check_probability: float
+    """The CUSUM's share of ``R / (N C)`` (all of it without the Shewhart option)."""
+    warning_per_test_check_probability: float
+    overlap: int
+    layers: Mapping[str, int]
+    notes: tuple[str, ...]
+    """Where a tail was taken from another overlap than the job's (logged once)."""
+    thresholds: Mapping[str, FamilyThresholds]
+    shewhart_share: Optional[float] = None
+    """Share of each test's probability given to its Shewhart limit; None: the option is off."""
+    shewhart_per_test_check_probability: Optional[float] = None
+    calibration: Optional[str] = None
+    """The tail table the thresholds came from (the session names it: a file, or the shipped one)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON: every field, the thresholds as ``{family: {"layer": {...}, "family": {...}}}``;
+        the Shewhart keys only when the option is on, ``calibration`` only when named."""
+        out: dict[str, Any] = {
+            "false_alarm_rate_per_million_steps": self.false_alarm_rate_per_million_steps,
+            "tests": self.tests,
+            "checks_per_million_steps": self.checks_per_million_steps,
+            "per_test_check_probability": self.per_test_check_probability,
+            "warning_per_test_check_probability": self.warning_per_test_check_probability,
+            "overlap": self.overlap,
+            "notes": list(self.notes),
+            "thresholds": {f: {"layer": _levels_dict(t.layer), "family": _levels_dict(t.family)}
+                           for f, t in self.thresholds.items()},
+            "layers": dict(self.layers),
+        }
+        if self.shewhart_share is not None:
+            out["shewhart_share"] = self.shewhart_share
+            out["shewhart_per_test_check_probability"] = self.shewhart_per_test_check_probability
+        if self.calibration is not None:
+            out["calibration"] = self.calibration
+        return out
+
+
 def per_test_probability(shape: JobShape, rate_per_million: float) -> float:
     """``p = R / (N C)``: the false-alarm probability each test may spend at one check.
 
@@ -381,8 +429,9 @@ def thresholds_for_job(
     table: Optional[TailTable] = None,
     warning_factor: float = DEFAULT_WARNING_FACTOR,
     shewhart: bool = False,
-) -> tuple[dict[str, FamilyThresholds], dict[str, Any]]:
-    """Per-family thresholds for the job, and a JSON-serialisable account of how they were set.
+) -> tuple[dict[str, FamilyThresholds], ThresholdAccount]:
+    """Per-family thresholds for the job, and the account of how they were set (computed once per
+    job: the session logs it, ``mechmon-scan`` writes it, both through ``ThresholdAccount.to_dict``).
 
     ``shewhart``: also set each test's Shewhart limit from ``table.shewhart``, with the test's
     probability split ``SHEWHART_SHARE`` to the limit and the rest to its CUSUM (KeyError when
@@ -413,19 +462,19 @@ def thresholds_for_job(
                 limit = max(residual_tail.threshold(per_test_shewhart), 1e-6)
             levels[level] = Thresholds(warning=max(warning, 1e-6), alarm=max(alarm, warning, 1e-6), shewhart=limit)
         out[family] = FamilyThresholds(layer=levels["layer"], family=levels["family"])
-    account = {
-        "false_alarm_rate_per_million_steps": rate_per_million,
-        "tests": tests,
-        "checks_per_million_steps": shape.checks_per_million(),
-        "per_test_check_probability": per_test,
-        "warning_per_test_check_probability": per_test_warning,
-        "overlap": shape.overlap,
-        "notes": notes,
-        "thresholds": {f: {"layer": _levels_dict(t.layer), "family": _levels_dict(t.family)} for f, t in out.items()},
-    }
-    if shewhart:
-        account["shewhart_share"] = SHEWHART_SHARE
-        account["shewhart_per_test_check_probability"] = per_test_shewhart
+    account = ThresholdAccount(
+        false_alarm_rate_per_million_steps=rate_per_million,
+        tests=tests,
+        checks_per_million_steps=shape.checks_per_million(),
+        per_test_check_probability=per_test,
+        warning_per_test_check_probability=per_test_warning,
+        overlap=shape.overlap,
+        layers=dict(shape.layers),
+        notes=tuple(notes),
+        thresholds=dict(out),
+        shewhart_share=SHEWHART_SHARE if shewhart else None,
+        shewhart_per_test_check_probability=per_test_shewhart if shewhart else None,
+    )
     return out, account
 
 

@@ -160,7 +160,8 @@ def replay(
         raise scan_error(exc) from None
     detector, account = build_detector(config, job_shape(config, [scan_families(attn_layers, router_layers)]),
                                        design, table)
-    account["design"] = {"warmup_checks": design.trend.warmup, "baseline_window_checks": design.trend.window,
+    summary = account.to_dict()
+    summary["design"] = {"warmup_checks": design.trend.warmup, "baseline_window_checks": design.trend.window,
                          "reference": design.reference, "interval_steps": plan.interval, "delta_steps": plan.delta}
     checks: list[CheckValues] = []
     anomalies: list[Anomaly] = []
@@ -189,4 +190,4 @@ def replay(
         values.scalars[names.WARNINGS] = float(len(result.warnings))
         checks.append(values)
     anomalies.sort(key=lambda a: (a.before_iteration, a.after_iteration))
-    return ReplayResult(checks=checks, anomalies=anomalies, thresholds=account)
+    return ReplayResult(checks=checks, anomalies=anomalies, thresholds=summary)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
+from mechmon_megatron.detect.null_model import ThresholdAccount
 from mechmon_megatron.detect.pooled_cusum import PooledCusumDetector
 from mechmon_megatron.session import names
 from mechmon_megatron.session.alert import Alert
@@ -43,7 +44,7 @@ class WriterDecision:
         self.tail_table = tail_table
         self.webhook = webhook
         self.detector: Optional[PooledCusumDetector] = None
-        self.detector_account: Optional[dict] = None
+        self.detector_account: Optional[ThresholdAccount] = None
         self.pending_detector_state: Optional[dict] = None
         """A checkpoint's detector state, loaded into the detector when the first check builds it."""
         self.alerts: list[Alert] = []
@@ -98,10 +99,9 @@ class WriterDecision:
             log.info(
                 "detector: %d tests (layers %s), %.3g false alarms per 10^6 steps -> %.3g per test-check; "
                 "alarm thresholds %s%s",
-                account["tests"], account["layers"], account["false_alarm_rate_per_million_steps"],
-                account["per_test_check_probability"],
-                {f: (round(t["layer"]["alarm"], 2), round(t["family"]["alarm"], 2))
-                 for f, t in account["thresholds"].items()},
+                account.tests, dict(account.layers), account.false_alarm_rate_per_million_steps,
+                account.per_test_check_probability,
+                {f: (round(t.layer.alarm, 2), round(t.family.alarm, 2)) for f, t in account.thresholds.items()},
                 "" if self.arm_step is None else f", judged from step {self.arm_step} (after the baselines' warm-up)",
             )
             silent = families_without_signal(self.config, shape)

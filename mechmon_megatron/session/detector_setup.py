@@ -10,14 +10,20 @@ their union (the job shape the union bound counts), with thresholds set from
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional
 
 from mechmon_megatron.detect.config_error import ConfigError, Spelling, literal, substitute
 from mechmon_megatron.detect.families import FAMILIES, FamilySpec, family_spec
-from mechmon_megatron.detect.null_model import TAIL_LEVELS, JobShape, TailTable, load_tail_table, thresholds_for_job
+from mechmon_megatron.detect.null_model import (
+    TAIL_LEVELS,
+    JobShape,
+    TailTable,
+    ThresholdAccount,
+    load_tail_table,
+    thresholds_for_job,
+)
 from mechmon_megatron.detect.pooled_cusum import (
     MIN_WARMUP_CHECKS,
     WARMUP_STEPS,
@@ -28,11 +34,15 @@ from mechmon_megatron.detect.pooled_cusum import (
 )
 from mechmon_megatron.session.alert import Alert
 from mechmon_megatron.session.config import MechmonConfig, flag_of
+from mechmon_megatron.session.log import mechmon_log
 
 if TYPE_CHECKING:  # annotations only: the start-up check (session/startup.py) runs without torch
     from mechmon_megatron.session.host import AttentionSite, RouterSite
 
-logger = logging.getLogger(__name__)
+log = mechmon_log(__name__)
+
+SHIPPED_CALIBRATION = "shipped (mechmon_megatron/detect/null_tails.json)"
+"""How the account names the tail table the package ships."""
 
 
 def switched_on(config: MechmonConfig, spec: FamilySpec) -> bool:
@@ -227,16 +237,13 @@ def _check_tails(table: TailTable, overlap: int, family: str, shewhart: bool) ->
 
 def build_detector(
     config: MechmonConfig, shape: JobShape, design: SequentialConfig, table: TailTable
-) -> tuple[PooledCusumDetector, dict[str, Any]]:
-    """The detector and a JSON account of its thresholds (logged once by the writer)."""
+) -> tuple[PooledCusumDetector, ThresholdAccount]:
+    """The detector and the account of its thresholds (logged once by the writer)."""
     thresholds, account = thresholds_for_job(shape, config.false_alarm_rate, table, shewhart=design.shewhart)
-    account["calibration"] = config.detector_calibration or "shipped (mechmon_megatron/detect/null_tails.json)"
-    account["layers"] = dict(shape.layers)
-    for note in account["notes"]:
-        logger.warning("[mechmon] detector: %s", note)
-    detector = PooledCusumDetector(
-        thresholds, design, warning_probability=account["warning_per_test_check_probability"]
-    )
+    account = dataclasses.replace(account, calibration=config.detector_calibration or SHIPPED_CALIBRATION)
+    for note in account.notes:
+        log.warning("detector: %s", note)
+    detector = PooledCusumDetector(thresholds, design, warning_probability=account.warning_per_test_check_probability)
     return detector, account
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Optional, Sequence
 
+from mechmon_megatron.detect.null_model import ThresholdAccount
 from mechmon_megatron.detect.pooled_cusum import PooledCusumDetector
 from mechmon_megatron.session.agreement import agree_collectives
 from mechmon_megatron.session.alert import Alert, AlertReport
@@ -119,7 +120,7 @@ class MonitoringSession:
         return self._decision.detector
 
     @property
-    def detector_account(self) -> Optional[dict]:
+    def detector_account(self) -> Optional[ThresholdAccount]:
         return self._decision.detector_account
 
     @property

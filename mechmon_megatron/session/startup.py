@@ -32,7 +32,6 @@ lines on every host.
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import tempfile
@@ -45,6 +44,7 @@ from mechmon_megatron.detect.families import ATTN_DELTA2, FAMILIES
 from mechmon_megatron.detect.null_model import TAIL_LEVELS, JobShape, per_test_probability
 from mechmon_megatron.session.config import MechmonConfig, flag_of
 from mechmon_megatron.session.detector_setup import detector_families, load_detector_design, switched_on
+from mechmon_megatron.session.log import mechmon_log
 
 __all__ = [
     "QUIET_SNAPSHOT_SETS",
@@ -61,7 +61,7 @@ __all__ = [
     "validate_startup",
 ]
 
-logger = logging.getLogger(__name__)
+log = mechmon_log(__name__)
 
 QUIET_SNAPSHOT_SETS = 4
 """Snapshot sets (``ceil(delta / interval)``) held at once without a start-up warning."""
@@ -161,7 +161,7 @@ def log_startup_warnings(report: StartupReport, rank: int, spell: Spelling = fla
     if rank != 0:
         return
     for note in report.warnings:
-        logger.warning("[mechmon] %s", note.render(spell))
+        log.warning("%s", note.render(spell))
 
 
 def log_monitoring(config: MechmonConfig, attention_layers: int, routers: int, rank: int,
@@ -175,10 +175,10 @@ def log_monitoring(config: MechmonConfig, attention_layers: int, routers: int, r
     if rank != 0:
         return
     if "attn" in config.monitors and not attention_layers:
-        logger.warning("[mechmon] no %s found on rank 0: attention monitors idle there", attention_kind)
+        log.warning("no %s found on rank 0: attention monitors idle there", attention_kind)
     if "router" in config.monitors and not routers:
-        logger.warning("[mechmon] no %s found on rank 0: router monitors idle (dense model?)", router_kind)
-    logger.info("[mechmon] monitoring %d attention layers and %d routers on rank 0 (interval %d, delta %d, "
+        log.warning("no %s found on rank 0: router monitors idle (dense model?)", router_kind)
+    log.info("monitoring %d attention layers and %d routers on rank 0 (interval %d, delta %d, "
                 "action %s)", attention_layers, routers, config.interval, config.delta, config.action)
 
 
@@ -192,7 +192,7 @@ def log_left_out(left_out: Sequence[Any]) -> None:
     for item in left_out:
         where = item.name if item.layer_number is None else f"layer {item.layer_number}"
         by_reason.setdefault(item.reason, []).append(where)
-    logger.warning("[mechmon] attention monitors leave out %d layer(s): %s", len(left_out),
+    log.warning("attention monitors leave out %d layer(s): %s", len(left_out),
                    "; ".join(f"{', '.join(layers)}: {reason}" for reason, layers in by_reason.items()))
 
 

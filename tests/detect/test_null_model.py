@@ -62,7 +62,7 @@ def test_union_bound_over_tests_and_checks():
     assert shape.num_tests() == 5 + 5 + 5 + 1
     thresholds, account = thresholds_for_job(shape, rate_per_million=0.01, table=_table())
     p = 0.01 / (16 * 50000)
-    assert account["per_test_check_probability"] == pytest.approx(p)
+    assert account.per_test_check_probability == pytest.approx(p)
     assert thresholds["attn_delta2"].layer.alarm == pytest.approx(math.log(0.1) - math.log(p))
     assert thresholds["attn_delta2"].layer.warning < thresholds["attn_delta2"].layer.alarm
     # expected false alarms under the fitted tails = the rate asked for

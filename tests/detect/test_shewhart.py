@@ -130,7 +130,7 @@ def test_union_bound_splits_each_test_between_cusum_and_shewhart():
     tests = (4 + 1) + 1  # four layers and their family test; one router layer (no family test)
     checks = 1e6 / 20
     p = rate / (tests * checks)
-    assert account["tests"] == tests and account["shewhart_share"] == SHEWHART_SHARE
+    assert account.tests == tests and account.shewhart_share == SHEWHART_SHARE
     cusum, resid = table.tails[5]["attn_delta2"]["layer"], table.shewhart[5]["attn_delta2"]["layer"]
     # Threshold formula, brute force: h = u0 + (log P(S > u0) - log p_test) / theta.
     h = 0.5 + (math.log(0.05) - math.log(p * (1 - SHEWHART_SHARE))) / 1.5
@@ -151,8 +151,8 @@ def test_default_thresholds_and_account_are_unchanged_by_the_option():
     shape = JobShape(layers={"attn_delta2": 4, "router_weights": 1}, interval=20, overlap=5)
     off, account = thresholds_for_job(shape, 0.01, _table())
     assert all(t.layer.shewhart is None and t.family.shewhart is None for t in off.values())
-    assert "shewhart_share" not in account
-    assert all("shewhart" not in lv for levels in account["thresholds"].values() for lv in levels.values())
+    assert account.shewhart_share is None and "shewhart_share" not in account.to_dict()
+    assert all("shewhart" not in lv for levels in account.to_dict()["thresholds"].values() for lv in levels.values())
     plain = TailTable(tails=_table().tails)
     assert "shewhart" not in plain.to_dict()
     assert TailTable.from_dict(_table().to_dict()).shewhart == _table().shewhart

@@ -28,17 +28,17 @@ def test_default_design_has_no_limits_and_the_misfit_counter_on():
     config = MechmonConfig(enabled=True, interval=20, delta=100)
     design, table = load_detector_design(config)
     detector, account = build_detector(config, SHAPE, design, table)
-    assert not design.shewhart and "shewhart_share" not in account
+    assert not design.shewhart and account.shewhart_share is None
     assert all(t.layer.shewhart is None for t in detector.thresholds.values())
     assert detector.misfit is not None
-    assert detector.misfit.warning_probability == account["warning_per_test_check_probability"]
+    assert detector.misfit.warning_probability == account.warning_per_test_check_probability
 
 
 def test_shewhart_with_the_shipped_calibration_sets_limits():
     config = MechmonConfig(enabled=True, interval=20, delta=100, detector_shewhart=True)
     design, table = load_detector_design(config)
     detector, account = build_detector(config, SHAPE, design, table)
-    assert design.shewhart and account["shewhart_share"] == 0.5
+    assert design.shewhart and account.shewhart_share == 0.5
     assert all(t.layer.shewhart is not None and t.family.shewhart is not None for t in detector.thresholds.values())
 
 

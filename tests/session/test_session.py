@@ -355,7 +355,7 @@ def test_own_calibration_file_is_used(tmp_path):
     layers = [ToyAttention(1, 0)]
     session = make_session(tmp_path, layers, detector_calibration=str(mine))
     run(session, layers, 10)
-    assert session.detector_account["calibration"] == str(mine)
+    assert session.detector_account.calibration == str(mine)
 
 
 def test_calibration_without_a_family_fails_at_startup(tmp_path):
@@ -383,4 +383,4 @@ def test_families_without_a_signal_are_named_once_and_left_out_of_the_union_boun
     named = [part.split(" (", 1)[0] for part in lines[0].split("in this job: ", 1)[1].split("; ")]
     assert named == ["router_entropy", "router_weights"]
     account = session.detector_account
-    assert set(account["layers"]) == {"attn_delta2", "attn_dw"} and account["tests"] == 2 * (2 + 1)
+    assert set(account.layers) == {"attn_delta2", "attn_dw"} and account.tests == 2 * (2 + 1)

@@ -124,9 +124,9 @@ def test_short_family_is_its_own_tests_in_the_union_bound(tmp_path):
     on, _, _ = _run_pair(tmp_path, 20)
     account = on.detector_account
     assert account is not None
-    assert account["layers"] == {"attn_delta2": 1, "attn_dw": 1, "attn_delta2_short": 1}
-    assert account["tests"] == 3
-    assert "attn_delta2_short" in account["thresholds"]
+    assert account.layers == {"attn_delta2": 1, "attn_dw": 1, "attn_delta2_short": 1}
+    assert account.tests == 3
+    assert "attn_delta2_short" in account.thresholds
 
 
 def test_short_window_alarm_names_its_family(tmp_path):

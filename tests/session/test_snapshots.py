@@ -8,8 +8,8 @@ import logging
 import pytest
 import torch
 
-from mechmon_megatron.session import names
 from mechmon_megatron.detect.config_error import ConfigError
+from mechmon_megatron.session import names
 from mechmon_megatron.session.config import MechmonConfig, flag_of
 from mechmon_megatron.session.host import AttentionSite, FullQK, QKWeights, SnapshotBudget
 from mechmon_megatron.session.session import MonitoringSession

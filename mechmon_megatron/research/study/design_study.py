@@ -185,7 +185,7 @@ def run_study(records: Mapping[str, CampaignRecord], rate: float = DEFAULT_FALSE
         for design in DESIGNS:
             shewhart = design == "cusum+shewhart"
             thresholds, account = thresholds_at_rate(sample, interval, overlap, rate, table, shewhart=shewhart)
-            block["thresholds"][design] = account["thresholds"]
+            block["thresholds"][design] = account.to_dict()["thresholds"]
             lth = _logit_thresholds(ltails, tests, every, shewhart, rate)
             block["thresholds"][f"attn_logit/{design}"] = dataclasses.asdict(lth.layer)
             config = dataclasses.replace(default_sequential_config(interval), shewhart=shewhart)
@@ -221,7 +221,7 @@ def run_study(records: Mapping[str, CampaignRecord], rate: float = DEFAULT_FALSE
                 }
             if not shewhart:
                 block["misfit"] = misfit_on_healthy(records, every, thresholds, config,
-                                                    account["warning_per_test_check_probability"])
+                                                    account.warning_per_test_check_probability)
             for entry in block["runs"].values():
                 entry["max_logit_rule_lead_share"] = lead_share(entry["max_logit_rule"], entry["divergence"],
                                                                 entry["onset"] or 0)

@@ -60,7 +60,7 @@ def test_seed11_is_a_near_miss_that_a_refit_on_other_realisations_turns_into_an_
     assert thresholds["router_entropy"].layer.warning < layer.largest
     checks = only_families(records["healthy-cosine-seed11"].data.checks, CORE_FAMILIES)
     replay = replay_pooled(checks, thresholds, default_sequential_config(20),
-                           warning_probability=account["warning_per_test_check_probability"])
+                           warning_probability=account.warning_per_test_check_probability)
     assert [(a.step, a.family, a.level, a.layers) for a in replay.alarms] == [(680, "router_entropy", "layer", (4,))]
     # the session's misfit counter names the family 140 steps before that false alarm
     assert replay.misfits == [(540, "router_entropy")]
