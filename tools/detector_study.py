@@ -5,6 +5,7 @@
     python tools/detector_study.py export --out runs/detector_study --to docs/data/detector_study
     python tools/detector_study.py analyze --out /tmp/ds --records docs/data/detector_study  # no training
     python tools/detector_study.py run --plan frontier-mla --out runs/frontier_mla --jobs 2
+    python tools/detector_study.py run --plan early-phase --out runs/early_phase --jobs 2  # held out
 
 ``run`` trains (or resumes) every run of ``mechmon_megatron.research.study.long_plan``; launch it again
 after an interruption and it continues from the checkpoints. See docs/RESULTS.md.
@@ -20,13 +21,16 @@ import sys
 from typing import Optional
 
 from mechmon_megatron.research.study.campaign import launch_campaign
+from mechmon_megatron.research.study.early_phase_plan import plan_early_phase_campaign, write_provisional_calibration
 from mechmon_megatron.research.study.frontier_plan import FRONTIER_VARIANTS, plan_frontier_campaign
 from mechmon_megatron.research.study.long_plan import CampaignRun, plan_campaign
 
-PLANS = ("study", *(f"frontier-{v}" for v in FRONTIER_VARIANTS))
+PLANS = ("study", *(f"frontier-{v}" for v in FRONTIER_VARIANTS), "early-phase")
 
 
-def _plan(name: str) -> list[CampaignRun]:
+def _plan(name: str, out: str) -> list[CampaignRun]:
+    if name == "early-phase":
+        return plan_early_phase_campaign(write_provisional_calibration(out))
     if name.startswith("frontier-"):
         return plan_frontier_campaign(name.removeprefix("frontier-"))
     return plan_campaign()
@@ -53,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-progress", action="store_true")
     run.add_argument("--plan", choices=PLANS, default="study",
                      help="study: the detector study (long_plan); frontier-mla / frontier-qknorm: its grid on "
-                     "multi-head latent attention / QK-norm (frontier_plan).")
+                     "multi-head latent attention / QK-norm (frontier_plan); early-phase: the held-out runs of "
+                     "the early-phase study (early_phase_plan, docs/METHOD.md section 8c).")
     analyze = sub.add_parser("analyze", help="Calibrate the detector and compare rules at equal false-alarm rate.")
     analyze.add_argument("--out", required=True, help="Campaign directory (outputs go to OUT/analysis).")
     analyze.add_argument("--records", default=None,
@@ -71,14 +76,14 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     if args.command == "run":
-        runs = _only(_plan(args.plan), args.only)
+        runs = _only(_plan(args.plan, args.out), args.only)
         status = launch_campaign(runs, args.out, jobs=args.jobs, progress=not args.no_progress)
         print(json.dumps({k: v.get("state") for k, v in status.items()}, indent=1))
         return 0 if all(v.get("state") in ("done", "stopped-after-divergence") for v in status.values()) else 1
     if args.command == "export":
         from mechmon_megatron.research.study.campaign_records import export_records
 
-        paths = export_records(args.out, args.to, _only(_plan(args.plan), args.only))
+        paths = export_records(args.out, args.to, _only(_plan(args.plan, args.out), args.only))
         print(json.dumps({"files": len(paths), "bytes": sum(os.path.getsize(p) for p in paths)}))
         return 0
     from mechmon_megatron.research.study.detector_report import analyze_campaign
