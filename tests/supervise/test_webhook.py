@@ -42,7 +42,7 @@ def test_poster_never_blocks_on_a_down_or_slow_server():
 
 
 def test_session_flag_is_validated():
-    with pytest.raises(ValueError, match="alert-webhook"):
+    with pytest.raises(ValueError, match="^alert_webhook must be an http"):  # the field; front ends spell it
         MechmonConfig(enabled=True, alert_webhook="slack.example/hook")
     assert MechmonConfig(enabled=True, alert_webhook="https://hooks.example/x").alert_webhook
 
