@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+from mechmon_megatron.detect.families import family_spec
 from mechmon_megatron.session.alert import Alert
 from mechmon_megatron.session.config import MechmonConfig
-from mechmon_megatron.session.detector_setup import arming_line, fed_families, held_values
+from mechmon_megatron.session.detector_setup import arming_line, fed_families, first_value_step, held_values
 from mechmon_megatron.session.failures import FailureLog
 from mechmon_megatron.session.log import SESSION, mechmon_log
 from mechmon_megatron.session.runs import new_run_id
@@ -68,7 +69,27 @@ def announce_arming(config: MechmonConfig, design: Any, local_layers: dict[str, 
             "step %d: %s", changes[0], config.delta, config.delta, step, why)
     else:
         log.info("detector arms at step %d: %s", step, why)
+    if resumed is not None:
+        _resume_gap_line(config, families, iteration)
     return step
+
+
+def _resume_gap_line(config: MechmonConfig, families: Sequence[str], start: int) -> None:
+    """After a resume: the checks that run before the first window-old snapshot exists (the
+    snapshots are not in the checkpoint), named once, so that the gap in the attention streams is
+    never silent."""
+    windowed = [f for f in families if family_spec(f).window != "check"]
+    if not windowed:
+        return
+    first_check = config.interval * (start // config.interval + 1)
+    first_value = min(first_value_step(config, f, start) for f in windowed)
+    if first_value <= first_check:
+        return
+    last_without = first_value - config.interval
+    span = f"step {first_check}" if last_without == first_check else f"steps {first_check}-{last_without}"
+    log.info("resumed at step %d: the Q/K snapshots are not kept in checkpoints, so the attention checks at %s "
+             "have no window yet (no Delta2/dW values); they resume at step %d, one --mechmon-delta %d window "
+             "after the resume", start, span, first_value, config.delta)
 
 
 def close_launch(config: MechmonConfig, writer: ScalarWriter, webhook: Optional[WebhookPoster], failures: FailureLog,
