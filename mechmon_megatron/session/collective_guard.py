@@ -196,7 +196,7 @@ class CollectiveGuard:
         """Set the timeout for the groups created from now on (start-up, before any monitor collective)."""
         if self._groups and float(timeout_s) != self.timeout_s:
             log.warning("--mechmon-collective-timeout %g s: mechmon's process groups already exist with "
-                           "%g s, which stays", timeout_s, self.timeout_s)
+                        "%g s, which stays", timeout_s, self.timeout_s)
             return
         self.timeout_s = float(timeout_s)
 

@@ -143,7 +143,7 @@ class QuietMonitors:
         if not failures:
             if self.quiet_checks:
                 log.warning("monitors running again at iteration %d after %d checks without them",
-                               iteration, self.quiet_checks)
+                            iteration, self.quiet_checks)
             self.quiet_checks, self.since = 0, None
             return True
         if self.since is None:

@@ -115,7 +115,7 @@ def choose_placement(config: MechmonConfig, nbytes: Optional[int], device: torch
     if device.type != "cuda":
         if setting == "pinned":
             log.warning("--mechmon-snapshot-device pinned needs a CUDA device; the weights are on %s, "
-                           "so snapshots use ordinary host memory", device)
+                        "so snapshots use ordinary host memory", device)
         placement = "cpu" if setting in ("cpu", "pinned") else "device"
     elif setting != "auto":
         placement = setting

@@ -179,7 +179,7 @@ def log_monitoring(config: MechmonConfig, attention_layers: int, routers: int, r
     if "router" in config.monitors and not routers:
         log.warning("no %s found on rank 0: router monitors idle (dense model?)", router_kind)
     log.info("monitoring %d attention layers and %d routers on rank 0 (interval %d, delta %d, "
-                "action %s)", attention_layers, routers, config.interval, config.delta, config.action)
+             "action %s)", attention_layers, routers, config.interval, config.delta, config.action)
 
 
 def log_left_out(left_out: Sequence[Any]) -> None:
@@ -193,7 +193,7 @@ def log_left_out(left_out: Sequence[Any]) -> None:
         where = item.name if item.layer_number is None else f"layer {item.layer_number}"
         by_reason.setdefault(item.reason, []).append(where)
     log.warning("attention monitors leave out %d layer(s): %s", len(left_out),
-                   "; ".join(f"{', '.join(layers)}: {reason}" for reason, layers in by_reason.items()))
+                "; ".join(f"{', '.join(layers)}: {reason}" for reason, layers in by_reason.items()))
 
 
 def graphed_router_error(setting: str) -> ConfigError:

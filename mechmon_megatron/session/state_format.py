@@ -70,7 +70,7 @@ def legacy_notice(kind: str, where: str) -> None:
         return
     _noticed.add(kind)
     log.warning("%s holds mechmon state in an older format (%s); loaded, and the next checkpoint "
-                   "is saved in the current one (key %r)", where, LEGACY_FORMATS[kind], STATE_KEY)
+                "is saved in the current one (key %r)", where, LEGACY_FORMATS[kind], STATE_KEY)
 
 
 def state_of(container: Optional[Mapping[str, Any]], where: str) -> Optional[dict]:

@@ -126,7 +126,7 @@ def send(url: str, payload: dict, settings: WebhookSettings = WebhookSettings())
     reason = deliver(url, payload, settings)
     if reason is not None:
         log.warning("webhook message not delivered to %s after %d attempt%s: %s", webhook_host(url),
-                       settings.retries + 1, "" if settings.retries == 0 else "s", reason)
+                    settings.retries + 1, "" if settings.retries == 0 else "s", reason)
     return reason is None
 
 
@@ -181,7 +181,7 @@ class WebhookPoster:
             why.append(f"{pending} still unsent after waiting {wait_s:g} s at the end")
         if untold > 0:
             log.warning("%d webhook message%s not delivered to %s (%s)", undelivered,
-                           "" if undelivered == 1 else "s", self.host, "; ".join(why))
+                        "" if undelivered == 1 else "s", self.host, "; ".join(why))
 
     def _failed(self, reason: str, attempted: bool = True) -> None:
         with self._lock:
@@ -195,7 +195,7 @@ class WebhookPoster:
             attempts = self.settings.retries + 1
             tried = f" after {attempts} attempt{'' if attempts == 1 else 's'}" if attempted else ""
             log.warning("webhook message not delivered to %s%s: %s; further failures are counted and "
-                           "reported once at the end", self.host, tried, reason)
+                        "reported once at the end", self.host, tried, reason)
 
     def _run(self) -> None:
         while True:
