@@ -333,7 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     def client_state() -> dict:
         return {PROGRESS_KEY: dict(progress)}
 
-    mechmon = mechmon_ds.attach(engine, client_state_fn=client_state)  # reads ds_config["mechmon"]
+    # reads ds_config["mechmon"]; the schedule is lr_lambda's (the early-phase correction compares it)
+    mechmon = mechmon_ds.attach(engine, client_state_fn=client_state,
+                                lr_schedule=mechmon_ds.TrainingSchedule(args.lr_warmup_iters, "cosine"))
 
     if args.load:
         # restores the mechmon detector state too

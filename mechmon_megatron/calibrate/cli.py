@@ -25,6 +25,7 @@ from mechmon_megatron.calibrate.leave_one_out import leave_one_run_out, replays_
 from mechmon_megatron.calibrate.progress import progress_bar
 from mechmon_megatron.calibrate.replay import Checks
 from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE, TailTable
+from mechmon_megatron.detect.phase_moments import TrainingSchedule
 
 __all__ = ["CalibrateConfig", "build_parser", "main"]
 
@@ -41,7 +42,11 @@ starts gives one run each (#runK in the names); a resume continues its run.
 
 The runs are replayed without alarms, the CUSUM values of every test are collected and their
 exponential tails fitted, and so are the per-check pooled residuals (the `shewhart` section that
---mechmon-detector-shewhart needs). Use the file with --mechmon-detector-calibration FILE
+--mechmon-detector-shewhart needs). With the runs' learning-rate schedule (--lr-warmup-iters and
+--lr-decay-style, as the runs were launched), the phase moments of young baselines are measured
+first (the `phase` section: the early-phase correction of jobs with that schedule) and the tails
+are fitted on replays that apply them; without it the file has no `phase` section and jobs that
+use it judge young baselines uncorrected. Use the file with --mechmon-detector-calibration FILE
 (DeepSpeed: detector_calibration; mechmon-scan: --detector-calibration).
 
 --leave-one-out (three runs or more) also fits on all runs but one and replays the detector at
@@ -69,6 +74,8 @@ class CalibrateConfig:
     """Also replay each run under the tails fitted on the others (3 runs or more)."""
     rate: float = DEFAULT_FALSE_ALARM_RATE
     """False alarms per 10^6 steps of the leave-one-out replays (the session's default)."""
+    schedule: Optional[TrainingSchedule] = None
+    """The runs' learning-rate schedule; given, the phase moments are fitted (``detect.phase_moments``)."""
 
     def __post_init__(self) -> None:
         for flag, value in (("--interval", self.interval), ("--delta", self.delta)):
@@ -94,7 +101,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also replay each run with the tails of the others (needs at least 3 runs)")
     p.add_argument("--rate", type=float, default=DEFAULT_FALSE_ALARM_RATE,
                    help="false alarms per 10^6 steps for --leave-one-out (the session default)")
+    p.add_argument("--lr-warmup-iters", type=int, default=None,
+                   help="the runs' learning-rate warm-up (steps); with --lr-decay-style, fit the phase moments")
+    p.add_argument("--lr-decay-style", default=None,
+                   help="the runs' learning-rate decay (Megatron's --lr-decay-style: cosine, linear, WSD, ...)")
     return p
+
+
+def _schedule(warmup: Optional[int], style: Optional[str]) -> Optional[TrainingSchedule]:
+    """The runs' schedule from the two flags: both or neither."""
+    if warmup is None and style is None:
+        return None
+    if warmup is None or style is None:
+        given, missing = ("--lr-warmup-iters", "--lr-decay-style") if style is None else (
+            "--lr-decay-style", "--lr-warmup-iters")
+        raise CalibrationError(f"{given} needs {missing} too (the phase moments hold for one schedule)")
+    if warmup < 0:
+        raise CalibrationError(f"--lr-warmup-iters must be >= 0 (steps), got {warmup}")
+    if not style.strip():
+        raise CalibrationError("--lr-decay-style must name the decay, e.g. cosine")
+    return TrainingSchedule(warmup, style)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -102,7 +128,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         config = CalibrateConfig(runs=tuple(args.runs), interval=args.interval, delta=args.delta, out=args.out,
-                                 force=args.force, leave_one_out=args.leave_one_out, rate=args.rate)
+                                 force=args.force, leave_one_out=args.leave_one_out, rate=args.rate,
+                                 schedule=_schedule(args.lr_warmup_iters, args.lr_decay_style))
         result = _run(config)
     except CalibrationError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
@@ -145,11 +172,14 @@ def _run(config: CalibrateConfig) -> dict[str, Any]:
     if config.leave_one_out and len(series) < 3:
         raise CalibrationError(
             f"--leave-one-out needs at least 3 healthy runs (2 to fit, 1 to hold out), got {len(series)}")
-    bar = progress_bar(fit_replays(len(series), config.interval, config.delta), "fit")
+    bar = progress_bar(fit_replays(len(series), config.interval, config.delta, phase=config.schedule is not None),
+                       "fit")
+    source = f"{len(series)} healthy runs, interval {config.interval}, delta {config.delta}"
+    if config.schedule is not None:
+        source += f", {config.schedule.describe()}"
     try:
-        fitted = calibrate(series, names, config.interval, config.delta,
-                           source=f"{len(series)} healthy runs, interval {config.interval}, delta {config.delta}",
-                           on_replay=bar.update if bar is not None else None)
+        fitted = calibrate(series, names, config.interval, config.delta, source=source,
+                           on_replay=bar.update if bar is not None else None, schedule=config.schedule)
     finally:
         if bar is not None:
             bar.close()
@@ -167,10 +197,11 @@ def _run(config: CalibrateConfig) -> dict[str, Any]:
 
 
 def _leave_one_out(series: Sequence[Checks], names: Sequence[str], config: CalibrateConfig) -> dict[str, Any]:
-    bar = progress_bar(replays_needed(len(series), config.interval, config.delta), "leave-one-out")
+    bar = progress_bar(replays_needed(len(series), config.interval, config.delta, phase=config.schedule is not None),
+                       "leave-one-out")
     try:
         held = leave_one_run_out(series, names, config.interval, config.delta, config.rate,
-                                 on_replay=bar.update if bar is not None else None)
+                                 on_replay=bar.update if bar is not None else None, schedule=config.schedule)
     except ValueError as exc:
         raise CalibrationError(f"--leave-one-out failed: {exc}") from None
     finally:

@@ -12,6 +12,10 @@ fits both or fails (the studies' fit); :func:`calibrate` (``mechmon-calibrate``)
 that cannot fit the recorded schedule with a message naming the family, and leaves out, with a
 note, a second schedule the records are too short for (a job at that schedule then uses the
 recorded schedule's heavier tails, ``TailTable.tail``).
+
+Given the runs' learning-rate schedule (``TrainingSchedule``), a calibration also measures the
+phase moments of young baselines (:func:`young_residuals`, ``detect.phase_moments``) at each
+schedule first, and fits the tails on replays that apply them, as the session will.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from mechmon_megatron.calibrate.coverage import check_interval, family_coverage
 from mechmon_megatron.calibrate.errors import CalibrationError
 from mechmon_megatron.calibrate.replay import FAMILIES, Checks, never_thresholds, replay_pooled, subsample
 from mechmon_megatron.detect.null_model import NullTail, TailTable, fit_null_tail
+from mechmon_megatron.detect.phase_moments import PhaseTable, TrainingSchedule, fit_phase_table
 from mechmon_megatron.detect.pooled_cusum import (
     PooledCusumDetector,
     SequentialConfig,
@@ -34,7 +39,7 @@ from mechmon_megatron.detect.pooled_cusum import (
 from mechmon_megatron.session.detector_inputs import observations_from_scalars
 
 __all__ = ["TAIL_QUANTILE", "Calibration", "calibrate", "calibrate_on_runs", "fit_levels", "fit_replays",
-           "fit_tail_table", "null_residuals", "null_statistics", "schedules"]
+           "fit_tail_table", "null_residuals", "null_statistics", "schedules", "young_residuals"]
 
 TAIL_QUANTILE = 0.95
 """The tails start at the 95th percentile of the pooled values."""
@@ -48,8 +53,25 @@ def _tick(on_replay: OnReplay) -> None:
         on_replay()
 
 
-def null_statistics(
+def young_residuals(
     runs: Iterable[Checks], config: SequentialConfig, on_replay: OnReplay = None
+) -> dict[str, list[tuple[int, float]]]:
+    """``(step, z)`` of every young baseline's uncorrected residual (``phase_corrected`` families)
+    at every check of healthy runs, replayed without alarms: what the phase moments are fitted on."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    for checks in runs:
+        detector = PooledCusumDetector(never_thresholds(), config, collect_young=True)
+        for step, scalars in checks:
+            result = detector.update(step, observations_from_scalars(scalars))
+            for family, zs in result.young_residuals.items():
+                out.setdefault(family, []).extend((step, z) for z in zs)
+        _tick(on_replay)
+    return out
+
+
+def null_statistics(
+    runs: Iterable[Checks], config: SequentialConfig, on_replay: OnReplay = None,
+    phase: Optional[PhaseTable] = None,
 ) -> dict[str, dict[str, list[float]]]:
     """CUSUM values of every test at every check of healthy runs, by family and level.
 
@@ -58,7 +80,7 @@ def null_statistics(
     warning level (baselines then stop absorbing), which is the tail beyond what is fitted."""
     out: dict[str, dict[str, list[float]]] = {f: {"layer": [], "family": []} for f in FAMILIES}
     for checks in runs:
-        replay = replay_pooled(checks, never_thresholds(), config)
+        replay = replay_pooled(checks, never_thresholds(), config, phase=phase)
         for key, series in replay.statistics.items():
             family = key.split("/", 1)[0]
             level = "layer" if "/layer_" in key else "family"
@@ -68,7 +90,8 @@ def null_statistics(
 
 
 def null_residuals(
-    runs: Iterable[Checks], config: SequentialConfig, on_replay: OnReplay = None
+    runs: Iterable[Checks], config: SequentialConfig, on_replay: OnReplay = None,
+    phase: Optional[PhaseTable] = None,
 ) -> dict[str, dict[str, list[float]]]:
     """Per-check pooled residuals of healthy runs, by family and level: ``u_L`` of every layer and
     ``u_F`` (the trimmed mean of the check's ``u_L``, as the detector pools them; families with
@@ -76,7 +99,7 @@ def null_residuals(
     without alarms, like :func:`null_statistics`."""
     out: dict[str, dict[str, list[float]]] = {f: {"layer": [], "family": []} for f in FAMILIES}
     for checks in runs:
-        detector = PooledCusumDetector(never_thresholds(), config)
+        detector = PooledCusumDetector(never_thresholds(), config, phase=phase)
         for step, scalars in checks:
             result = detector.update(step, observations_from_scalars(scalars))
             per_family: dict[str, list[float]] = {}
@@ -143,40 +166,52 @@ def fit_tail_table(
     tail_quantile: float = TAIL_QUANTILE,
     shewhart: bool = False,
     on_replay: OnReplay = None,
+    delta: Optional[int] = None,
+    schedule: Optional[TrainingSchedule] = None,
 ) -> tuple[TailTable, dict[str, Any]]:
     """Null tails per overlap; ``overlaps``: overlap -> (check interval, healthy check series).
     Each overlap's series is replayed with the shipped design for its interval. ``shewhart``:
-    also fit the tails of the per-check pooled residuals (the Shewhart limits' null model)."""
+    also fit the tails of the per-check pooled residuals (the Shewhart limits' null model).
+    ``delta`` and ``schedule`` (the runs' window and learning-rate schedule) both given: first fit
+    each overlap's phase moments, then the tails on replays that apply them."""
     tails: dict[int, dict[str, dict[str, NullTail]]] = {}
     log: dict[str, Any] = {}
     shewhart_tails: dict[int, dict[str, dict[str, NullTail]]] = {}
+    phases: list[PhaseTable] = []
     for overlap, (interval, series) in overlaps.items():
         config = default_sequential_config(interval)
-        tails[overlap], fit_log = fit_levels(null_statistics(series, config, on_replay), overlap, tail_quantile,
-                                             "CUSUM")
+        phase = None
+        if delta is not None and schedule is not None:
+            phase = fit_phase_table(young_residuals(series, config, on_replay), interval, delta, schedule)
+            phases.append(phase)
+            log[f"phase/{overlap}"] = phase.to_dict()
+        tails[overlap], fit_log = fit_levels(null_statistics(series, config, on_replay, phase), overlap,
+                                             tail_quantile, "CUSUM")
         log.update(fit_log)
         if shewhart:
             shewhart_tails[overlap], fit_log = fit_levels(
-                null_residuals(series, config, on_replay), overlap, tail_quantile, "residual"
+                null_residuals(series, config, on_replay, phase), overlap, tail_quantile, "residual"
             )
             log.update({f"shewhart/{k}": v for k, v in fit_log.items()})
-    return TailTable(tails=tails, source=source, shewhart=shewhart_tails), log
+    return TailTable(tails=tails, source=source, shewhart=shewhart_tails, phase=tuple(phases)), log
 
 
 def calibrate_on_runs(
     series: Sequence[Checks], interval: int, delta: int, source: str = "", shewhart: bool = False,
-    on_replay: OnReplay = None,
+    on_replay: OnReplay = None, schedule: Optional[TrainingSchedule] = None,
 ) -> tuple[TailTable, dict[str, Any]]:
     """Null tails of healthy runs recorded every ``interval`` steps over ``delta``-step windows: at
     their own overlap ``ceil(delta / interval)`` and, when ``delta`` is a multiple of ``interval``,
-    at overlap 1 (every ``delta / interval``-th check: the schedule ``interval = delta``)."""
+    at overlap 1 (every ``delta / interval``-th check: the schedule ``interval = delta``).
+    ``schedule``: the runs' learning-rate schedule; given, the phase moments are fitted too."""
     if interval < 1 or delta < 1:
         raise ValueError(f"interval and delta must be >= 1, got {interval}, {delta}.")
     native = math.ceil(delta / interval)
     overlaps: dict[int, tuple[int, Sequence[Checks]]] = {native: (interval, series)}
     if native > 1 and delta % interval == 0:
         overlaps[1] = (delta, [subsample(c, interval, native) for c in series])
-    return fit_tail_table(overlaps, source=source, shewhart=shewhart, on_replay=on_replay)
+    return fit_tail_table(overlaps, source=source, shewhart=shewhart, on_replay=on_replay, delta=delta,
+                          schedule=schedule)
 
 
 def schedules(interval: int, delta: int) -> list[tuple[int, int, int]]:
@@ -191,9 +226,9 @@ def schedules(interval: int, delta: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def fit_replays(runs: int, interval: int, delta: int, shewhart: bool = True) -> int:
+def fit_replays(runs: int, interval: int, delta: int, shewhart: bool = True, phase: bool = False) -> int:
     """How many run replays :func:`calibrate` makes at most (its progress total)."""
-    return runs * (2 if shewhart else 1) * len(schedules(interval, delta))
+    return runs * (1 + shewhart + phase) * len(schedules(interval, delta))
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,24 +244,26 @@ class Calibration:
 
 
 def calibrate(series: Sequence[Checks], names: Sequence[str], interval: int, delta: int, source: str = "",
-              on_replay: OnReplay = None) -> Calibration:
+              on_replay: OnReplay = None, schedule: Optional[TrainingSchedule] = None) -> Calibration:
     """Null tails (with the Shewhart section) of healthy runs named ``names``, recorded every
     ``interval`` steps over ``delta``-step windows, at each schedule of :func:`schedules`.
 
     :class:`CalibrationError` for runs recorded at another interval, and for records that cannot
     fit a family at the recorded schedule (the message names the family and the checks it needs
     against those the runs have); a second schedule they cannot fit is left out with a note. When
-    every schedule fits, the table and log equal those of ``calibrate_on_runs(..., shewhart=True)``."""
+    every schedule fits, the table and log equal those of ``calibrate_on_runs(..., shewhart=True)``.
+    ``schedule`` (the runs' learning-rate schedule) given: each schedule's phase moments too."""
     check_interval(series, names, interval)
     tails: dict[int, dict[str, dict[str, NullTail]]] = {}
     shewhart: dict[int, dict[str, dict[str, NullTail]]] = {}
+    phases: list[PhaseTable] = []
     log: dict[str, Any] = {}
     notes: list[str] = []
     native_interval, native_overlap, _ = schedules(interval, delta)[0]
     for sched_interval, overlap, every in schedules(interval, delta):
         runs = series if every == 1 else [subsample(c, interval, every) for c in series]
         try:
-            table, fit_log = _fit_schedule(runs, names, interval, every, overlap, source, on_replay)
+            table, fit_log = _fit_schedule(runs, names, interval, every, overlap, source, on_replay, delta, schedule)
         except CalibrationError as exc:
             if every == 1:
                 raise
@@ -236,12 +273,15 @@ def calibrate(series: Sequence[Checks], names: Sequence[str], interval: int, del
             continue
         tails.update(table.tails)
         shewhart.update(table.shewhart)
+        phases.extend(table.phase)
         log.update(fit_log)
-    return Calibration(table=TailTable(tails=tails, source=source, shewhart=shewhart), log=log, notes=tuple(notes))
+    return Calibration(table=TailTable(tails=tails, source=source, shewhart=shewhart, phase=tuple(phases)), log=log,
+                       notes=tuple(notes))
 
 
 def _fit_schedule(runs: Sequence[Checks], names: Sequence[str], interval: int, every: int, overlap: int,
-                  source: str, on_replay: OnReplay) -> tuple[TailTable, dict[str, Any]]:
+                  source: str, on_replay: OnReplay, delta: int,
+                  schedule: Optional[TrainingSchedule]) -> tuple[TailTable, dict[str, Any]]:
     """One schedule's tails, or a :class:`CalibrationError` naming the family that cannot be fitted.
     The coverage is checked before the replays (a short record fails at once), the table after."""
     sched_interval = interval * every
@@ -251,7 +291,7 @@ def _fit_schedule(runs: Sequence[Checks], names: Sequence[str], interval: int, e
         raise CalibrationError(short[0].message(sched_interval))
     try:
         table, log = fit_tail_table({overlap: (sched_interval, runs)}, source=source, shewhart=True,
-                                    on_replay=on_replay)
+                                    on_replay=on_replay, delta=delta, schedule=schedule)
     except ValueError as exc:
         longest = max((len(r) for r in runs), default=0)
         raise CalibrationError(f"{exc} (interval {sched_interval}: the longest run has {longest} checks)") from None

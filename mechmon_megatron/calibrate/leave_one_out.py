@@ -9,7 +9,9 @@ serves are checked: the recorded one (overlap ``ceil(delta / interval)``) and, w
 multiple of ``interval``, ``interval = delta`` (every ``delta / interval``-th check, overlap 1).
 
 The null statistics are computed once per run and pooled per fold (the fit only pools them), so a
-check of N runs costs about 2N replays per schedule.
+check of N runs costs about 2N replays per schedule. With the runs' learning-rate schedule, each
+fold also fits its own phase moments on its runs (``detect.phase_moments``), and its null
+statistics come from replays that apply them: N (the young residuals) + N (N - 1) + N replays.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from mechmon_megatron.calibrate.fit import TAIL_QUANTILE, fit_levels, null_statistics, schedules
+from mechmon_megatron.calibrate.fit import TAIL_QUANTILE, fit_levels, null_statistics, schedules, young_residuals
 from mechmon_megatron.calibrate.replay import Checks, FamilyMargin, closest_margin, replay_healthy, subsample
 from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE, NullTail, TailTable
+from mechmon_megatron.detect.phase_moments import TrainingSchedule, fit_phase_table
 from mechmon_megatron.detect.pooled_cusum import default_sequential_config
 
 __all__ = ["FoldFit", "HeldOutRun", "leave_one_run_out", "pool_statistics", "replays_needed", "shipped_fold_fit",
@@ -55,9 +58,10 @@ def pool_statistics(stats: Sequence[Mapping[str, Mapping[str, list[float]]]]) ->
     return out
 
 
-def replays_needed(runs: int, interval: int, delta: int) -> int:
+def replays_needed(runs: int, interval: int, delta: int, phase: bool = False) -> int:
     """How many detector replays :func:`leave_one_run_out` makes (its progress total)."""
-    return 2 * runs * len(schedules(interval, delta))
+    per_schedule = runs * (runs + 1) if phase else 2 * runs
+    return per_schedule * len(schedules(interval, delta))
 
 
 FoldFit = Callable[[Sequence[Checks], Sequence[Mapping[str, Mapping[str, list[float]]]], int, int],
@@ -75,14 +79,16 @@ def shipped_fold_fit(runs: Sequence[Checks], stats: Sequence[Mapping[str, Mappin
 def leave_one_run_out(series: Sequence[Checks], names: Sequence[str], interval: int, delta: int,
                       rate: float = DEFAULT_FALSE_ALARM_RATE,
                       on_replay: Optional[Callable[[], None]] = None,
-                      fold_fit: FoldFit = shipped_fold_fit) -> list[HeldOutRun]:
+                      fold_fit: FoldFit = shipped_fold_fit,
+                      schedule: Optional[TrainingSchedule] = None) -> list[HeldOutRun]:
     """Every run of ``series`` (checks recorded every ``interval`` steps over ``delta``-step
     windows, named by ``names``) against the tails of the others, at each schedule of
     :func:`~mechmon_megatron.calibrate.fit.schedules`. ``on_replay`` is called after each detector
     replay (a progress bar: :func:`replays_needed` calls in all). ``ValueError`` for fewer than
     three runs (two to fit, one to hold out) or when the others have too few excursions to fit a
     family (the message names it). ``fold_fit`` fits a fold's tails (research variants of the fit
-    pass their own)."""
+    pass their own). ``schedule``: the runs' learning-rate schedule; given, each fold fits and
+    applies its own phase moments, as ``mechmon-calibrate`` with that schedule would."""
     if len(series) != len(names):
         raise ValueError(f"{len(series)} runs but {len(names)} names")
     if len(series) < 3:
@@ -93,15 +99,30 @@ def leave_one_run_out(series: Sequence[Checks], names: Sequence[str], interval: 
         config = default_sequential_config(sched_interval)
         tick = on_replay or (lambda: None)
         per_run = []
+        young = []
         for c in runs:
-            per_run.append(null_statistics([c], config))
+            if schedule is None:
+                per_run.append(null_statistics([c], config))
+            else:
+                young.append(young_residuals([c], config))
             tick()
         for i, held in enumerate(runs):
             others = [names[j] for j in range(len(runs)) if j != i]
             train = [j for j in range(len(runs)) if j != i]
-            tails = fold_fit([runs[j] for j in train], [per_run[j] for j in train], sched_interval, overlap)
-            table = TailTable(tails={overlap: tails}, source=f"healthy runs {', '.join(others)}")
-            replay = replay_healthy(held, sched_interval, overlap, table, names[i], rate)
+            phase = None
+            if schedule is None:
+                stats = [per_run[j] for j in train]
+            else:
+                pooled = {f: [p for j in train for p in young[j].get(f, [])] for f in {f for y in young for f in y}}
+                phase = fit_phase_table(pooled, sched_interval, delta, schedule)
+                stats = []
+                for j in train:
+                    stats.append(null_statistics([runs[j]], config, phase=phase))
+                    tick()
+            tails = fold_fit([runs[j] for j in train], stats, sched_interval, overlap)
+            table = TailTable(tails={overlap: tails}, source=f"healthy runs {', '.join(others)}",
+                              phase=() if phase is None else (phase,))
+            replay = replay_healthy(held, sched_interval, overlap, table, names[i], rate, phase=phase)
             tick()
             family, margin = closest_margin(replay)
             out.append(HeldOutRun(run=names[i], interval=sched_interval, overlap=overlap, fitted_on=tuple(others),

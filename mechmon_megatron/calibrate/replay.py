@@ -24,6 +24,7 @@ from mechmon_megatron.detect.null_model import (
     ThresholdAccount,
     thresholds_for_job,
 )
+from mechmon_megatron.detect.phase_moments import PhaseTable
 from mechmon_megatron.detect.pooled_cusum import (
     FAMILY_DIRECTIONS,
     OPTIONAL_FAMILIES,
@@ -73,11 +74,13 @@ def replay_pooled(
     config: SequentialConfig,
     start_step: int = 0,
     warning_probability: Optional[float] = None,
+    phase: Optional[PhaseTable] = None,
 ) -> PooledReplay:
     """Feed every check to a fresh detector; alarms before ``start_step`` are kept but flagged by
     the caller (the detector sees the whole run either way). ``warning_probability`` (the per-test
-    probability of the warning level, as the session passes it) turns the misfit counter on."""
-    detector = PooledCusumDetector(thresholds, config, warning_probability=warning_probability)
+    probability of the warning level, as the session passes it) turns the misfit counter on;
+    ``phase``: the early-phase correction (``detect.phase_moments``), as the session passes it."""
+    detector = PooledCusumDetector(thresholds, config, warning_probability=warning_probability, phase=phase)
     out = PooledReplay(first_alarm={f: None for f in FAMILIES})
     for step, scalars in checks:
         result = detector.update(step, observations_from_scalars(scalars))
@@ -144,13 +147,14 @@ class DetectorReplay:
 
 
 def replay_healthy(checks: Checks, interval: int, overlap: int, table: TailTable, run_id: str = "",
-                   rate: float = DEFAULT_FALSE_ALARM_RATE) -> DetectorReplay:
+                   rate: float = DEFAULT_FALSE_ALARM_RATE, phase: Optional[PhaseTable] = None) -> DetectorReplay:
     """The detector with ``table``'s thresholds at ``rate`` on one run's ``checks`` (already at
     ``interval``, families the table covers only), its misfit counter on as in the session: its
-    alarms, misfits and every family's margins."""
+    alarms, misfits and every family's margins. ``phase``: the early-phase correction the session
+    would apply (one of ``table.phase``, ``detect.phase_moments.select_phase_table``)."""
     thresholds, account = thresholds_at_rate(checks, interval, overlap, rate, table)
     replay = replay_pooled(checks, thresholds, default_sequential_config(interval),
-                           warning_probability=account.warning_per_test_check_probability)
+                           warning_probability=account.warning_per_test_check_probability, phase=phase)
     out = DetectorReplay(run_id=run_id, interval=interval, steps=checks[-1][0] if checks else 0,
                          misfits=[list(m) for m in replay.misfits])
     out.alarms = [{"step": a.step, "family": a.family, "level": a.level, "layers": list(a.layers),

@@ -94,6 +94,9 @@ class FamilySpec:
     from_checkpoints: bool = False
     """``mechmon-scan`` can feed it from saved weights alone (the routing entropy needs tokens; the
     short window needs a checkpoint every check interval)."""
+    phase_corrected: bool = False
+    """Its healthy level still moves early in training, so while a stream's baseline is young its
+    residual is standardised by the calibration's phase moments (``detect/phase_moments.py``)."""
 
 
 _ATTN_NO_SIGNAL = "no attention layer is monitored"
@@ -103,12 +106,12 @@ ATTN_DELTA2 = FamilySpec(
     name="attn_delta2", direction="drop", monitor="attn", scalars=("delta2_entropy",), per_head=True,
     window="delta", label="Delta2",
     no_signal=f"{_ATTN_NO_SIGNAL} ($monitors without attn, or none found)",
-    remedy="attention_precision", from_checkpoints=True,
+    remedy="attention_precision", from_checkpoints=True, phase_corrected=True,
 )
 ATTN_DW = FamilySpec(
     name="attn_dw", direction="drop", monitor="attn", scalars=("dw_entropy", "dwk_entropy"), window="delta",
     label="dW", no_signal=_ATTN_NO_SIGNAL, switch="full_matrix_dw",
-    remedy="attention_precision", from_checkpoints=True,
+    remedy="attention_precision", from_checkpoints=True, phase_corrected=True,
 )
 ROUTER_ENTROPY = FamilySpec(
     name="router_entropy", direction="drop", monitor="router", scalars=("token_entropy",),

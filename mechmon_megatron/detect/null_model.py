@@ -42,6 +42,7 @@ from typing import Any, Optional
 
 from mechmon_megatron.detect.config_error import ConfigError
 from mechmon_megatron.detect.families import FAMILY_BY_NAME, FAMILY_NAMES
+from mechmon_megatron.detect.phase_moments import PhaseTable, phase_tables_from_list
 from mechmon_megatron.detect.pooled_cusum import FamilyThresholds, Thresholds
 
 __all__ = [
@@ -187,6 +188,11 @@ class TailTable:
     shewhart: dict[int, dict[str, dict[str, NullTail]]] = field(default_factory=dict)
     """Null tails of the per-check pooled residual ``u`` (same keys); empty in files written
     before the Shewhart option (the option is then refused at start-up)."""
+    phase: tuple[PhaseTable, ...] = ()
+    """The phase moments of young baselines, one table per measured check and learning-rate
+    schedule (``detect/phase_moments.py``); empty in files written before the early-phase
+    correction (it is then off, and the start-up log says so). The tails of a table with phase
+    moments were fitted on replays that apply them."""
 
     def shewhart_tail(self, overlap: int, family: str, level: str) -> tuple[NullTail, str]:
         """The residual tail for this overlap: the smallest measured overlap >= ``overlap``, else
@@ -244,6 +250,8 @@ class TailTable:
         out: dict[str, Any] = {"source": self.source, "tails": _tails_to_dict(self.tails)}
         if self.shewhart:  # files without the option stay byte-identical
             out["shewhart"] = _tails_to_dict(self.shewhart)
+        if self.phase:
+            out["phase"] = [t.to_dict() for t in self.phase]
         return out
 
     @classmethod
@@ -256,7 +264,8 @@ class TailTable:
         with the fields of :class:`NullTail` (``theta`` and ``theta_hat`` finite and > 0, ``u0``
         finite and >= 0, ``log_p_u0`` finite and <= 0, counts integers >= 1). The optional
         ``"shewhart"`` section (the tails of the Shewhart limits, ``MechmonConfig.detector_shewhart``)
-        has the same shape and the same checks.
+        has the same shape and the same checks; the optional ``"phase"`` section is a list of
+        :class:`~mechmon_megatron.detect.phase_moments.PhaseTable` entries.
         """
         if not isinstance(data, Mapping) or not isinstance(data.get("tails"), Mapping):
             raise ValueError('expected a JSON object {"tails": {overlap: {family: {level: tail}}}}, got '
@@ -267,8 +276,10 @@ class TailTable:
         if not isinstance(shewhart, Mapping):
             raise ValueError(f'"shewhart" must be an object {{overlap: {{family: {{level: tail}}}}}}, got '
                              f"{type(shewhart).__name__}")
+        phase = data.get("phase")
         return cls(tails=_checked_tails(data["tails"], "tails"), source=str(data.get("source", "")),
-                   shewhart=_checked_tails(shewhart, "shewhart"))
+                   shewhart=_checked_tails(shewhart, "shewhart"),
+                   phase=() if phase is None else phase_tables_from_list(phase))
 
 
 def _tails_to_dict(tails: Mapping[int, Mapping[str, Mapping[str, NullTail]]]) -> dict[str, Any]:

@@ -27,6 +27,9 @@ for ``attn_delta2``). Per family (the table of ``detect/families.py``):
    pooled residual ``u`` exceeds its Shewhart limit (``Thresholds.shewhart``), kind ``shewhart``.
 8. **Calibration misfit** (``warning_probability`` given): per family, the warning episodes before
    its first alarm against the tail model's prediction (:mod:`~mechmon_megatron.detect.misfit`).
+9. **Early-phase correction** (``phase`` given): while a stream of a ``phase_corrected`` family has
+   a young baseline (fewer than ``window`` values), its residual is standardised by the healthy
+   null of its training phase before it is clipped (:mod:`~mechmon_megatron.detect.phase_moments`).
 
 Thresholds come from one false-alarm target through ``detect.null_model``. Pure Python;
 ``state_dict()`` is JSON-serialisable and a replay of recorded values reproduces the online
@@ -41,8 +44,9 @@ from dataclasses import asdict, dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Literal, Optional
 
-from mechmon_megatron.detect.families import FAMILIES, ROUTER_WEIGHTS
+from mechmon_megatron.detect.families import FAMILIES, FAMILY_BY_NAME, ROUTER_WEIGHTS
 from mechmon_megatron.detect.misfit import MisfitCounter
+from mechmon_megatron.detect.phase_moments import PhaseTable
 from mechmon_megatron.detect.robust_trend import Direction, RobustTrend, TrendConfig
 
 __all__ = [
@@ -230,6 +234,10 @@ class CheckResult:
     ``.../observed`` and ``.../expected`` counts."""
     misfits: list[str] = field(default_factory=list)
     """Families whose calibration misfit fired at this check (once per family and job)."""
+    young_residuals: dict[str, list[float]] = field(default_factory=dict)
+    """Family -> the uncorrected residuals of its young baselines at this check (``phase_corrected``
+    families; filled only by a detector built with ``collect_young``: what the phase moments are
+    fitted on, ``calibrate/fit.py``)."""
 
 
 @dataclass
@@ -257,15 +265,21 @@ class PooledCusumDetector:
 
     ``warning_probability`` (the per-test, per-check null probability of the warning level that
     set the thresholds, ``detect.null_model``) turns on the calibration misfit counter
-    (:mod:`~mechmon_megatron.detect.misfit`); None leaves it off."""
+    (:mod:`~mechmon_megatron.detect.misfit`); None leaves it off. ``phase``: the phase moments that
+    correct young baselines (``detect.phase_moments``); None judges them uncorrected.
+    ``collect_young``: fill ``CheckResult.young_residuals`` (calibration replays)."""
 
     def __init__(
         self,
         thresholds: Mapping[str, FamilyThresholds],
         config: SequentialConfig,
         warning_probability: Optional[float] = None,
+        phase: Optional[PhaseTable] = None,
+        collect_young: bool = False,
     ) -> None:
         self.config = config
+        self.phase = phase
+        self.collect_young = collect_young
         self.thresholds = dict(thresholds)
         if config.shewhart:
             missing = sorted(f for f, t in self.thresholds.items() if t.layer.shewhart is None)
@@ -344,7 +358,13 @@ class PooledCusumDetector:
                     to_accept.append((key, obs.value))
                     continue
                 self._limit_runs[key] = 0
-                z = max(-cfg.clip, min(cfg.clip, trend.residual(obs.value, prediction)))
+                z = trend.residual(obs.value, prediction)
+                if trend.young and FAMILY_BY_NAME[family].phase_corrected:
+                    if self.collect_young:
+                        result.young_residuals.setdefault(family, []).append(z)
+                    if self.phase is not None:
+                        z = self.phase.standardise(family, step, z)
+                z = max(-cfg.clip, min(cfg.clip, z))
                 zs[obs.member] = z
                 to_accept.append((key, obs.value))
             residuals[layer] = zs

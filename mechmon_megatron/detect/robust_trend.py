@@ -103,6 +103,12 @@ class RobustTrend:
         """True once ``warmup`` values have been accepted (residuals are defined)."""
         return len(self.values) >= self.config.warmup
 
+    @property
+    def young(self) -> bool:
+        """True while the window holds fewer than ``window`` values (early in training, or after a
+        restart): the phase moments of ``detect/phase_moments.py`` may correct its residual."""
+        return len(self.values) < self.config.window
+
     def predict(self) -> Optional[TrendPrediction]:
         """The baseline at the next check, or None before warm-up."""
         if not self.ready:

@@ -13,7 +13,9 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
+from mechmon_megatron.detect.families import family_spec
 from mechmon_megatron.detect.null_model import ThresholdAccount
+from mechmon_megatron.detect.phase_moments import PhaseTable
 from mechmon_megatron.detect.pooled_cusum import PooledCusumDetector
 from mechmon_megatron.session import names
 from mechmon_megatron.session.alert import Alert
@@ -33,15 +35,18 @@ class WriterDecision:
     """The detector and everything the writer does with its result.
 
     ``design`` / ``tail_table``: the detector design and null tails (``load_detector_design``,
-    loaded at start-up so a bad calibration fails there); ``webhook``: the writer's poster or None."""
+    loaded at start-up so a bad calibration fails there); ``webhook``: the writer's poster or None;
+    ``phase``: the early-phase correction and its line (``detector_setup.phase_for_job``)."""
 
     def __init__(self, config: MechmonConfig, failures: FailureLog, writer: ScalarWriter, design: Any,
-                 tail_table: Any, webhook: Optional[WebhookPoster]) -> None:
+                 tail_table: Any, webhook: Optional[WebhookPoster],
+                 phase: tuple[Optional[PhaseTable], str] = (None, "")) -> None:
         self.config = config
         self.failures = failures
         self.writer = writer
         self.design = design
         self.tail_table = tail_table
+        self.phase, self.phase_note = phase
         self.webhook = webhook
         self.detector: Optional[PooledCusumDetector] = None
         self.detector_account: Optional[ThresholdAccount] = None
@@ -91,7 +96,8 @@ class WriterDecision:
     def _ensure_detector(self, gathered: list[Payload]) -> PooledCusumDetector:
         if self.detector is None:
             shape = job_shape(self.config, [payload.layers for payload in gathered])
-            self.detector, self.detector_account = build_detector(self.config, shape, self.design, self.tail_table)
+            self.detector, self.detector_account = build_detector(self.config, shape, self.design, self.tail_table,
+                                                                  self.phase)
             if self.pending_detector_state is not None:
                 self.detector.load_state_dict(self.pending_detector_state)
                 self.pending_detector_state = None
@@ -104,6 +110,8 @@ class WriterDecision:
                 {f: (round(t.layer.alarm, 2), round(t.family.alarm, 2)) for f, t in account.thresholds.items()},
                 "" if self.arm_step is None else f", judged from step {self.arm_step} (after the baselines' warm-up)",
             )
+            if self.phase_note and any(family_spec(f).phase_corrected for f in account.layers):
+                log.info("detector: %s", self.phase_note)
             silent = families_without_signal(self.config, shape)
             if silent:
                 log.warning("detector: left out of the union bound, no signal in this job: %s",

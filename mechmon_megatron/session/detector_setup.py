@@ -24,6 +24,7 @@ from mechmon_megatron.detect.null_model import (
     load_tail_table,
     thresholds_for_job,
 )
+from mechmon_megatron.detect.phase_moments import PhaseTable, TrainingSchedule, select_phase_table
 from mechmon_megatron.detect.pooled_cusum import (
     MIN_WARMUP_CHECKS,
     WARMUP_STEPS,
@@ -235,15 +236,26 @@ def _check_tails(table: TailTable, overlap: int, family: str, shewhart: bool) ->
                              f"{tail.theta:.3g}, too small for a finite threshold")
 
 
+def phase_for_job(config: MechmonConfig, table: TailTable,
+                  schedule: Optional[TrainingSchedule]) -> tuple[Optional[PhaseTable], str]:
+    """The phase moments of ``table`` that match the job's check schedule and learning-rate
+    ``schedule`` (None: the host could not say), and the one line the writer logs about them
+    (``detect.phase_moments.select_phase_table``)."""
+    return select_phase_table(table.phase, config.interval, config.delta, schedule)
+
+
 def build_detector(
-    config: MechmonConfig, shape: JobShape, design: SequentialConfig, table: TailTable
+    config: MechmonConfig, shape: JobShape, design: SequentialConfig, table: TailTable,
+    phase: Optional[PhaseTable] = None,
 ) -> tuple[PooledCusumDetector, ThresholdAccount]:
-    """The detector and the account of its thresholds (logged once by the writer)."""
+    """The detector and the account of its thresholds (logged once by the writer); ``phase``: the
+    early-phase correction (:func:`phase_for_job`)."""
     thresholds, account = thresholds_for_job(shape, config.false_alarm_rate, table, shewhart=design.shewhart)
     account = dataclasses.replace(account, calibration=config.detector_calibration or SHIPPED_CALIBRATION)
     for note in account.notes:
         log.warning("detector: %s", note)
-    detector = PooledCusumDetector(thresholds, design, warning_probability=account.warning_per_test_check_probability)
+    detector = PooledCusumDetector(thresholds, design, warning_probability=account.warning_per_test_check_probability,
+                                   phase=phase)
     return detector, account
 
 

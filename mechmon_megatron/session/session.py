@@ -24,6 +24,7 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from mechmon_megatron.detect.null_model import ThresholdAccount
+from mechmon_megatron.detect.phase_moments import TrainingSchedule
 from mechmon_megatron.detect.pooled_cusum import PooledCusumDetector
 from mechmon_megatron.session.agreement import agree_collectives
 from mechmon_megatron.session.alert import Alert, AlertReport
@@ -31,7 +32,7 @@ from mechmon_megatron.session.checks import SiteChecks
 from mechmon_megatron.session.collective_guard import CollectiveFailure, CollectiveGuard, CollectivesOff
 from mechmon_megatron.session.config import MechmonConfig
 from mechmon_megatron.session.decision import WriterDecision, drill_alert
-from mechmon_megatron.session.detector_setup import load_detector_design, local_layers
+from mechmon_megatron.session.detector_setup import load_detector_design, local_layers, phase_for_job
 from mechmon_megatron.session.exchange import RecordExchange
 from mechmon_megatron.session.failures import FailureLog, MechmonStrictError, Outcome
 from mechmon_megatron.session.host import AttentionSite, Communicator, LocalCommunicator, RouterSite, process_guard
@@ -53,7 +54,9 @@ class MonitoringSession:
     """Runs the mechanism monitors on one rank. A disabled session does nothing.
 
     ``guard``: the process's collective guard, which the host looked up once (default: the
-    communicator's); ``comm`` (default: one process) and ``writer`` (default: none)."""
+    communicator's); ``comm`` (default: one process) and ``writer`` (default: none); ``schedule``:
+    the job's learning-rate schedule as the host knows it (None: unknown; the early-phase
+    correction is then off and the writer says so)."""
 
     name = "mechmon"
 
@@ -65,6 +68,7 @@ class MonitoringSession:
         comm: Optional[Communicator] = None,
         writer: Optional[ScalarWriter] = None,
         guard: Optional[CollectiveGuard] = None,
+        schedule: Optional[TrainingSchedule] = None,
     ) -> None:
         self.config = config
         self.enabled = config.enabled
@@ -104,7 +108,8 @@ class MonitoringSession:
         self._pending_abort: Optional[Decision] = None
         # Only the writer rank decides, so only it tells people (--mechmon-alert-webhook).
         webhook = WebhookPoster(config.alert_webhook) if (config.alert_webhook and self.comm.is_writer) else None
-        self._decision = WriterDecision(config, self.failures, self.writer, design, tail_table, webhook)
+        self._decision = WriterDecision(config, self.failures, self.writer, design, tail_table, webhook,
+                                        phase_for_job(config, tail_table, schedule))
         self._exchange = RecordExchange(self.comm, self.failures, self.rank, self._local_layers, reporting)
         self._closed = False
         self._checks_run = 0  # checks this launch ran (the closing line)

@@ -22,6 +22,7 @@ from mechmon_megatron.adapters.deepspeed.config import (
     read_ds_config,
 )
 from mechmon_megatron.adapters.deepspeed.engine_hooks import CLIENT_ALERT_KEY, CLIENT_STATE_KEY, MechmonDeepSpeed
+from mechmon_megatron.detect.phase_moments import TrainingSchedule
 from mechmon_megatron.session import collective_guard
 from mechmon_megatron.session.config import MechmonConfig
 from mechmon_megatron.session.log import mechmon_log
@@ -33,6 +34,7 @@ __all__ = [
     "parse_section",
     "CLIENT_STATE_KEY",
     "CLIENT_ALERT_KEY",
+    "TrainingSchedule",
 ]
 
 log = mechmon_log(__name__)
@@ -54,6 +56,7 @@ def attach(
     config: Union[None, MechmonConfig, Mapping[str, Any], str, os.PathLike] = None,
     checkpoint_dir: Optional[str] = None,
     client_state_fn: Optional[Callable[[], Mapping[str, Any]]] = None,
+    lr_schedule: Optional[TrainingSchedule] = None,
 ) -> MechmonDeepSpeed:
     """Attach the monitors to ``engine`` on every rank (after ``deepspeed.initialize``).
 
@@ -66,7 +69,10 @@ def attach(
     restores it. It is called once here to check it (a mapping with none of mechmon's keys
     ``"mechmon"`` / ``"mechmon_alert"``). The abort folder is checked here too. Bad input raises
     ``ValueError`` naming the key. A disabled config returns an object that does nothing (a
-    section written with ``"enabled": false`` says so in one line on rank 0).
+    section written with ``"enabled": false`` says so in one line on rank 0). ``lr_schedule``:
+    the training loop's learning-rate warm-up and decay (DeepSpeed cannot say what a user's
+    scheduler does), which the early-phase correction compares with its calibration's; None: the
+    correction is off, and the writer says so in one line.
     """
     section: Any = None  # the "mechmon" section as written, when attach reads one
     if config is None or isinstance(config, (str, os.PathLike)):
@@ -85,4 +91,4 @@ def attach(
     # The one place the DeepSpeed host looks up this process's collective guard: the communicator,
     # the readers and every session of the engine receive it.
     return MechmonDeepSpeed(engine, config, checkpoint_dir=checkpoint_dir, client_state_fn=client_state_fn,
-                            guard=collective_guard.guard())
+                            guard=collective_guard.guard(), lr_schedule=lr_schedule)

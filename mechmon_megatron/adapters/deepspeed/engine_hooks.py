@@ -53,6 +53,7 @@ from mechmon_megatron.adapters.deepspeed.config import PREFIX, checked_startup, 
 from mechmon_megatron.adapters.deepspeed.gate_capture import find_gates, install_gate_capture
 from mechmon_megatron.adapters.deepspeed.qk_norms import fold_rows
 from mechmon_megatron.adapters.deepspeed.weights import read_full_param, read_is_collective
+from mechmon_megatron.detect.phase_moments import TrainingSchedule
 from mechmon_megatron.session.collective_guard import CollectiveFailure, CollectiveGuard, CollectivesOff
 from mechmon_megatron.session.config import MechmonConfig
 from mechmon_megatron.session.host import (
@@ -216,9 +217,10 @@ class MechmonDeepSpeed:
 
     def __init__(self, engine: Any, config: MechmonConfig, checkpoint_dir: Optional[str] = None,
                  client_state_fn: Optional[Callable[[], Mapping[str, Any]]] = None,
-                 guard: Optional[CollectiveGuard] = None) -> None:
+                 guard: Optional[CollectiveGuard] = None, lr_schedule: Optional[TrainingSchedule] = None) -> None:
         self.engine = engine
         self.config = config
+        self.lr_schedule = lr_schedule
         self.checkpoint_dir = checkpoint_dir or checkpoint_dir_of(config)
         self.client_state_fn = client_state_fn
         self._last_save_dir: Optional[str] = None
@@ -306,7 +308,8 @@ class MechmonDeepSpeed:
 
     def _new_session(self) -> MonitoringSession:
         return MonitoringSession(
-            self.config, self._attention_sites, self._router_sites, comm=self.comm, writer=self.writer, guard=self.guard
+            self.config, self._attention_sites, self._router_sites, comm=self.comm, writer=self.writer,
+            guard=self.guard, schedule=self.lr_schedule,
         )
 
     def _wrap(self, method: str, replacement) -> None:

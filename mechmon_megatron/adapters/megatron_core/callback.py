@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from mechmon_megatron.adapters.megatron_core.lr_schedule import schedule_of_args
 from mechmon_megatron.adapters.megatron_core.param_sync import force_param_sync, overlaps_param_gather
 from mechmon_megatron.adapters.megatron_core.session_factory import McoreReads, build_mcore_session
 from mechmon_megatron.session.config import MechmonConfig
@@ -52,6 +53,7 @@ class MechmonCallback:
             writer_rank=self.writer_rank,
             optimizer=getattr(ctx, "optimizer", None),
             reads=self.reads,
+            schedule=schedule_of_args(getattr(ctx, "args", None)),
         )
         if self._pending_state:
             self.session.load_state_dict(self._pending_state)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from mechmon_megatron.adapters.megatron_core.discovery import find_left_out, find_modules, unwrap
 from mechmon_megatron.adapters.megatron_core.main_params import weight_reader
 from mechmon_megatron.adapters.megatron_core.sites import attention_sites, router_sites
+from mechmon_megatron.detect.phase_moments import TrainingSchedule
 from mechmon_megatron.session import collective_guard
 from mechmon_megatron.session.config import MechmonConfig
 from mechmon_megatron.session.host import Communicator, LocalCommunicator, TorchDistributedCommunicator
@@ -100,6 +101,7 @@ def build_mcore_session(
     extra_writers: Sequence[ScalarWriter] = (),
     optimizer: Any = None,
     reads: Optional[McoreReads] = None,
+    schedule: Optional[TrainingSchedule] = None,
 ) -> MonitoringSession:
     """Discover attention layers and routers in ``model_chunks`` and attach a session.
 
@@ -109,6 +111,8 @@ def build_mcore_session(
     W&B) are used on the writer rank only. ``optimizer``: the megatron-core optimizer, whose FP32
     main parameters are read under ``--mechmon-weights main`` (without it: the model weights, with
     a notice). ``reads``: filled with what the host must do around a check (:class:`McoreReads`).
+    ``schedule``: the job's learning-rate schedule (``lr_schedule.schedule_of_args``), which the
+    early-phase correction compares with its calibration's; None: unknown, the correction is off.
     """
     if not config.enabled:
         return MonitoringSession(config)
@@ -196,7 +200,7 @@ def build_mcore_session(
     writer = build_writer(config, comm.is_writer, host_tensorboard, tensorboard_dir)
     if comm.is_writer:
         writer.writers.extend(extra_writers)
-    session = MonitoringSession(config, attn, routers, comm=comm, writer=writer, guard=guard)
+    session = MonitoringSession(config, attn, routers, comm=comm, writer=writer, guard=guard, schedule=schedule)
     holder["session"] = session
     _notice(config, attn, found_routers)
     if reporting:  # one rank per pipeline stage names its stage's layers

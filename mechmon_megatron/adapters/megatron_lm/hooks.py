@@ -38,6 +38,7 @@ from mechmon_megatron.adapters.megatron_core import (
     build_mcore_session,
     force_param_sync,
     loaded_state,
+    schedule_of_args,
     state_shard,
 )
 from mechmon_megatron.cli.args import config_from_args
@@ -183,7 +184,7 @@ class MegatronLMHooks:
             session = self._session_builder(self.config, list(model_chunks), **common)
         else:
             session = build_mcore_session(self.config, list(model_chunks), writer_rank=-1, optimizer=self.optimizer,
-                                          reads=self.reads, **common)
+                                          reads=self.reads, schedule=schedule_of_args(args), **common)
         self.session = session
         line = rollback_reach_line(args, self.config)
         if line:

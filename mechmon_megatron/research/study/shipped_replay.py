@@ -30,6 +30,7 @@ from mechmon_megatron.calibrate.replay import (
     subsample,
 )
 from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE, TailTable, load_tail_table
+from mechmon_megatron.detect.phase_moments import TrainingSchedule, select_phase_table
 from mechmon_megatron.research.study import rule_scores
 from mechmon_megatron.research.study.campaign_data import CampaignRecord
 from mechmon_megatron.research.study.detector_report import events, lead_share, operating_index, symptom_sweeps
@@ -73,16 +74,30 @@ def logit_rule_first(record: CampaignRecord, threshold: Optional[float]) -> Opti
     return starts[0] if starts else None
 
 
+def record_schedule(record: CampaignRecord) -> TrainingSchedule:
+    """The learning-rate schedule a study run was trained with: its ``--lr-warmup-iters`` and
+    ``--lr-decay-style`` flags (the trainer's defaults, 0 and ``cosine``, where absent)."""
+    flags = list(record.run.flags)
+
+    def flag(name: str, default: str) -> str:
+        return flags[flags.index(name) + 1] if name in flags else default
+
+    return TrainingSchedule(int(flag("--lr-warmup-iters", "0")), flag("--lr-decay-style", "cosine"))
+
+
 def replay_shipped(record: CampaignRecord, interval: int = RECORDED_INTERVAL,
                    rate: float = DEFAULT_FALSE_ALARM_RATE, table: Optional[TailTable] = None) -> DetectorReplay:
     """The shipped detector on ``record`` at ``interval`` (a multiple of :data:`RECORDED_INTERVAL`;
-    overlap ``ceil(RECORDED_DELTA / interval)``); ``table`` defaults to the shipped tails."""
+    overlap ``ceil(RECORDED_DELTA / interval)``); ``table`` defaults to the shipped tails, and its
+    phase moments apply where they match the record's check and learning-rate schedule."""
     if interval % RECORDED_INTERVAL:
         raise ValueError(f"interval must be a multiple of {RECORDED_INTERVAL}, got {interval}")
     every = interval // RECORDED_INTERVAL
     overlap = max(1, -(-RECORDED_DELTA // interval))
     checks = subsample(only_families(record.data.checks, CORE_FAMILIES), RECORDED_INTERVAL, every)
-    out = replay_healthy(checks, interval, overlap, table or load_tail_table(), record.run.run_id, rate)
+    table = table or load_tail_table()
+    phase, _ = select_phase_table(table.phase, interval, RECORDED_DELTA, record_schedule(record))
+    out = replay_healthy(checks, interval, overlap, table, record.run.run_id, rate, phase=phase)
     out.steps = record.data.steps[-1] if record.data.steps else 0
     return out
 
