@@ -25,9 +25,11 @@ from mechmon_megatron.research.recovery_study.demo_recovery import (
     start_recovered_fa,
 )
 from mechmon_megatron.research.reproducible_cpu import PINNED_CPU_SETTINGS, check_pin, overridden_settings
-from mechmon_megatron.research.study.report import markdown_report
+from mechmon_megatron.research.study.demo_footing import footing_lines
+from mechmon_megatron.research.study.early_phase_report import rule_thresholds
+from mechmon_megatron.research.study.report import markdown_report, reported_runs
 from mechmon_megatron.research.study.scenarios import METRICS_FILE, get_preset
-from mechmon_megatron.research.study.study import StudyOptions, run_study
+from mechmon_megatron.research.study.study import StudyOptions, load_runs, run_study
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout: demo_out/ goes there
 
@@ -86,6 +88,9 @@ def main(argv=None) -> int:
         StudyOptions(out_dir=args.out, preset=preset, scenarios=preset.scenarios, seeds=preset.seeds,
                      train_iters=iters, jobs=args.jobs, trainer=args.trainer)
     )
+    print()
+    _, data = load_runs(args.out)
+    print("\n".join(footing_lines(reported_runs(results), data, rule_thresholds())))
     print()
     print(markdown_report(results))
     print(reproducibility_line(capability))

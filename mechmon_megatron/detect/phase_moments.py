@@ -37,6 +37,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from mechmon_megatron.detect.families import FAMILY_BY_NAME, FAMILY_NAMES
+
 __all__ = [
     "DEFAULT_BIN_STEPS",
     "MIN_BIN_SAMPLES",
@@ -141,6 +143,8 @@ class PhaseTable:
         bin_steps = integer("bin_steps", 1)
         checked: dict[str, tuple[PhaseBin, ...]] = {}
         for family, rows in families.items():
+            if family not in FAMILY_BY_NAME:
+                raise ValueError(f"{where}.families: unknown family {family!r}; known: {sorted(FAMILY_NAMES)}")
             if not isinstance(rows, Sequence) or isinstance(rows, str):
                 raise ValueError(f"{where}.families[{family!r}] must be a list of [start, centre, scale, samples]")
             bins = tuple(_phase_bin(row, f"{where}.families[{family!r}][{i}]", bin_steps)
@@ -221,11 +225,11 @@ def select_phase_table(
     if not tables:
         return None, ("the calibration has no phase moments (a file written before the early-phase "
                       "correction): young baselines are judged uncorrected; refit it with mechmon-calibrate")
-    at_schedule = [t for t in tables if t.interval == interval and t.delta == delta]
+    at_schedule = [t for t in tables if t.interval == interval and t.delta == delta and t.covered_until() > 0]
     if not at_schedule:
         measured = ", ".join(f"interval {t.interval} delta {t.delta}" for t in tables)
-        return None, (f"no phase moments for interval {interval} delta {delta} (measured: {measured}): "
-                      "the early-phase correction is off")
+        return None, (f"no phase moments for interval {interval} delta {delta} (measured: {measured}; a table "
+                      "without bins has too few young-baseline residuals): the early-phase correction is off")
     if schedule is None:
         return None, ("the job's learning-rate schedule is unknown to mechmon: the early-phase correction "
                       f"(measured with a {at_schedule[0].schedule.describe()}) is off")

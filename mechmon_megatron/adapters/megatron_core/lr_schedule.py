@@ -27,5 +27,5 @@ def schedule_of_args(args: Any) -> Optional[TrainingSchedule]:
         decay = getattr(args, "lr_decay_iters", None) or getattr(args, "train_iters", None)
         if not decay:
             return None
-        return TrainingSchedule(int(fraction * decay), str(style))
+        return TrainingSchedule(round(fraction * decay), str(style))  # 0.29 * 100 is 28.999...
     return TrainingSchedule(int(getattr(args, "lr_warmup_iters", 0) or 0), str(style))

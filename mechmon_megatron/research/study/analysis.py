@@ -62,6 +62,7 @@ from typing import Any, Optional
 
 from mechmon_megatron.calibrate.records import jsonl_rows
 from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE, load_tail_table
+from mechmon_megatron.detect.phase_moments import TrainingSchedule, select_phase_table
 from mechmon_megatron.detect.pooled_cusum import default_sequential_config
 from mechmon_megatron.research.baselines.symptom_rules import GrowthRule, build_symptom_rules
 from mechmon_megatron.research.study.pooled_replay import replay_pooled, thresholds_at_rate
@@ -223,15 +224,18 @@ class RunData:
 
 # ------------------------------------------------------------------------------- replays
 def replay_mechmon(data: RunData, setting: DetectorSetting = DEFAULT_DETECTOR, interval: int = 20,
-                   delta: int = 100) -> dict[str, Any]:
+                   delta: int = 100, schedule: Optional[TrainingSchedule] = None) -> dict[str, Any]:
     """First alarm per family of the whole-job detector replayed at ``setting`` (the session's
-    shipped null tails, the thresholds of this run's layers), and who carried it."""
+    shipped null tails, the thresholds of this run's layers, and their phase moments where they
+    match the run's learning-rate ``schedule``, as the session applies them), and who carried it."""
     if not data.checks:
         return {"first_alarm": {f: None for f in MECHMON_FAMILIES}, "first_stream": {f: None for f in MECHMON_FAMILIES},
                 "num_streams": 0}
     overlap = max(1, math.ceil(delta / interval))
-    thresholds, _ = thresholds_at_rate(data.checks, interval, overlap, setting.false_alarm_rate, load_tail_table())
-    replay = replay_pooled(data.checks, thresholds, default_sequential_config(interval))
+    table = load_tail_table()
+    thresholds, _ = thresholds_at_rate(data.checks, interval, overlap, setting.false_alarm_rate, table)
+    phase, _ = select_phase_table(table.phase, interval, delta, schedule)
+    replay = replay_pooled(data.checks, thresholds, default_sequential_config(interval), phase=phase)
     first_stream: dict[str, Optional[str]] = {f: None for f in MECHMON_FAMILIES}
     for alarm in replay.alarms:
         if first_stream[alarm.family] is None:
@@ -336,10 +340,12 @@ def analyze_run(
     growth: GrowthSetting = GrowthSetting(),
     interval: int = 20,
     delta: int = 100,
+    schedule: Optional[TrainingSchedule] = None,
 ) -> dict[str, Any]:
     """Everything ``results.json`` records for one run (except scenario/seed bookkeeping).
 
-    ``interval`` / ``delta``: the run's ``--mechmon-interval`` / ``--mechmon-delta``.
+    ``interval`` / ``delta``: the run's ``--mechmon-interval`` / ``--mechmon-delta``; ``schedule``:
+    its learning-rate schedule (the early-phase correction applies where it matches the shipped one).
 
     ``router_fault_onset``: onset of a router-family fault when it differs from ``fault_onset``
     (``combined``: the high LR acts from step 1, the FA fault from its onset); it applies to the
@@ -349,8 +355,9 @@ def analyze_run(
     def onset_of(key: str) -> Optional[int]:
         return router_fault_onset if key in ROUTER_FAMILIES and router_fault_onset is not None else fault_onset
 
-    mech = replay_mechmon(data, setting, interval, delta)
-    default_replay = mech if setting == DEFAULT_DETECTOR else replay_mechmon(data, DEFAULT_DETECTOR, interval, delta)
+    mech = replay_mechmon(data, setting, interval, delta, schedule)
+    default_replay = (mech if setting == DEFAULT_DETECTOR
+                      else replay_mechmon(data, DEFAULT_DETECTOR, interval, delta, schedule))
     symptoms = replay_symptoms(data, growth)
     first_alarm = {key: mech["first_alarm"].get(key, symptoms.get(key)) for key in ALARM_KEYS}
     div = divergence.first_step(data.steps, data.loss)

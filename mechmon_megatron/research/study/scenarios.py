@@ -30,8 +30,11 @@ Pure Python: no torch import.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, Optional
+
+from mechmon_megatron.detect.phase_moments import TrainingSchedule
 
 FaultFamily = Literal["none", "attn", "router", "both"]
 
@@ -259,6 +262,17 @@ def get_preset(name: str) -> Preset:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose from {list(PRESETS)} (--preset).")
     return PRESETS[name]
+
+
+def schedule_of_flags(flags: Sequence[str]) -> TrainingSchedule:
+    """The learning-rate schedule of a trainer command line: its ``--lr-warmup-iters`` and
+    ``--lr-decay-style`` (the example trainer's defaults, 0 and ``cosine``, where absent)."""
+    flags = list(flags)
+
+    def flag(name: str, default: str) -> str:
+        return flags[flags.index(name) + 1] if name in flags else default
+
+    return TrainingSchedule(int(flag("--lr-warmup-iters", "0")), flag("--lr-decay-style", "cosine"))
 
 
 def trainer_flags(scenario: Scenario, preset: Preset, seed: int, train_iters: int) -> tuple[str, ...]:

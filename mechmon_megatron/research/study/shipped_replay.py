@@ -34,6 +34,7 @@ from mechmon_megatron.detect.phase_moments import TrainingSchedule, select_phase
 from mechmon_megatron.research.study import rule_scores
 from mechmon_megatron.research.study.campaign_data import CampaignRecord
 from mechmon_megatron.research.study.detector_report import events, lead_share, operating_index, symptom_sweeps
+from mechmon_megatron.research.study.scenarios import schedule_of_flags
 from mechmon_megatron.session.detector_inputs import stream_family
 
 RECORDED_INTERVAL = 20
@@ -75,14 +76,8 @@ def logit_rule_first(record: CampaignRecord, threshold: Optional[float]) -> Opti
 
 
 def record_schedule(record: CampaignRecord) -> TrainingSchedule:
-    """The learning-rate schedule a study run was trained with: its ``--lr-warmup-iters`` and
-    ``--lr-decay-style`` flags (the trainer's defaults, 0 and ``cosine``, where absent)."""
-    flags = list(record.run.flags)
-
-    def flag(name: str, default: str) -> str:
-        return flags[flags.index(name) + 1] if name in flags else default
-
-    return TrainingSchedule(int(flag("--lr-warmup-iters", "0")), flag("--lr-decay-style", "cosine"))
+    """The learning-rate schedule a study run was trained with (``scenarios.schedule_of_flags``)."""
+    return schedule_of_flags(record.run.flags)
 
 
 def replay_shipped(record: CampaignRecord, interval: int = RECORDED_INTERVAL,

@@ -12,12 +12,21 @@ import logging
 import os
 import platform
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
+from mechmon_megatron.detect.phase_moments import TrainingSchedule
 from mechmon_megatron.research.study import analysis, plots, report
 from mechmon_megatron.research.study.runner import RunResult, launch_runs
-from mechmon_megatron.research.study.scenarios import MECHMON_DIR, METRICS_FILE, Preset, RunSpec, plan_runs
+from mechmon_megatron.research.study.scenarios import (
+    MECHMON_DIR,
+    METRICS_FILE,
+    Preset,
+    RunSpec,
+    plan_runs,
+    schedule_of_flags,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +95,7 @@ def run_study(options: StudyOptions) -> dict[str, Any]:
         "mechmon_interval": options.preset.mechmon_interval,
         "mechmon_delta": options.preset.mechmon_delta,
         "fa_strength": options.preset.fa_strength,
+        "lr_schedule": asdict(schedule_of_flags(options.preset.model_flags)),
         "train_wall_s": None,
         "runs": [_spec_json(s, None) for s in specs],
     }
@@ -98,6 +108,13 @@ def run_study(options: StudyOptions) -> dict[str, Any]:
     plan["runs"] = [_spec_json(r.spec, r) for r in launched]
     _write_plan(options.out_dir, plan)
     return analyze_study(options.out_dir, plots_enabled=options.plots)
+
+
+def plan_schedule(plan: Mapping[str, Any]) -> Optional[TrainingSchedule]:
+    """The runs' learning-rate schedule a plan records (None in a plan written before it did: the
+    replays then judge young baselines uncorrected)."""
+    entry = plan.get("lr_schedule")
+    return None if not entry else TrainingSchedule(int(entry["lr_warmup_steps"]), str(entry["lr_decay_style"]))
 
 
 def _write_plan(out_dir: str, plan: dict[str, Any]) -> None:
@@ -127,7 +144,7 @@ def analyze_study(
     setting: Optional[analysis.DetectorSetting] = None,
 ) -> dict[str, Any]:
     """Analyse the runs listed in ``OUT/plan.json``; write results.json, report.md and plots."""
-    plan, data = _load_runs(out_dir)
+    plan, data = load_runs(out_dir)
     calibration_log = None
     calib = [e for e in plan["runs"] if e["calibration"]]
     if setting is None and calib:
@@ -147,6 +164,7 @@ def analyze_study(
                 data[entry["run_id"]], fault_onset=entry["fault_onset"],
                 router_fault_onset=entry.get("router_fault_onset"), setting=setting,
                 interval=plan.get("mechmon_interval") or 20, delta=plan.get("mechmon_delta") or 100,
+                schedule=plan_schedule(plan),
             )
         )
         run.update(
@@ -194,7 +212,7 @@ def analyze_study(
     return results
 
 
-def _load_runs(out_dir: str) -> tuple[dict[str, Any], dict[str, analysis.RunData]]:
+def load_runs(out_dir: str) -> tuple[dict[str, Any], dict[str, analysis.RunData]]:
     """``OUT/plan.json`` and the recorded data of every run it lists."""
     with open(os.path.join(out_dir, PLAN_FILE), encoding="utf-8") as f:
         plan = json.load(f)
@@ -213,7 +231,7 @@ def sensitivity(
     """Post hoc: what each detector setting would have reported on the recorded reported runs
     (never used to choose the study's setting). One row per setting, see
     :func:`~mechmon_megatron.research.study.report.markdown_sensitivity`."""
-    plan, data = _load_runs(out_dir)
+    plan, data = load_runs(out_dir)
     entries = [e for e in plan["runs"] if not e["calibration"]]
     rows = []
     for setting in settings:
@@ -222,7 +240,7 @@ def sensitivity(
             run = analysis.analyze_run(data[e["run_id"]], fault_onset=e["fault_onset"],
                                        router_fault_onset=e.get("router_fault_onset"), setting=setting,
                                        interval=plan.get("mechmon_interval") or 20,
-                                       delta=plan.get("mechmon_delta") or 100)
+                                       delta=plan.get("mechmon_delta") or 100, schedule=plan_schedule(plan))
             runs.append({"scenario": e["scenario"], "seed": e["seed"], **run})
         rows.append({"setting": setting.to_dict(), "runs": runs})
     return rows

@@ -1,5 +1,6 @@
 """The detector study's committed records (docs/data/detector_study): the shipped calibration is
-reproducible from them, and the healthy runs stay quiet at the default false-alarm rate."""
+reproducible from them (its tails and its phase moments), and the healthy runs stay quiet at the
+default false-alarm rate with the correction the session applies to each run's schedule."""
 
 import json
 import os
@@ -7,10 +8,12 @@ import os
 import pytest
 
 from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE, load_tail_table
+from mechmon_megatron.detect.phase_moments import TrainingSchedule, select_phase_table
 from mechmon_megatron.detect.pooled_cusum import default_sequential_config
 from mechmon_megatron.research.study.campaign_records import load_records
 from mechmon_megatron.research.study.detector_report import CALIBRATION_RUNS, DELTA, INTERVAL
 from mechmon_megatron.research.study.pooled_replay import calibrate_on_runs, replay_pooled, thresholds_at_rate
+from mechmon_megatron.research.study.shipped_replay import record_schedule
 
 RECORDS = os.path.join(os.path.dirname(__file__), "..", "..", "..", "docs", "data", "detector_study")
 
@@ -32,10 +35,18 @@ def test_the_healthy_runs_cover_whole_schedules(records):
 
 
 def test_shipped_null_tails_are_the_fit_of_the_calibration_runs(records):
-    table, _ = calibrate_on_runs([records[r].data.checks for r in CALIBRATION_RUNS], INTERVAL, DELTA, shewhart=True)
+    schedule = record_schedule(records[CALIBRATION_RUNS[0]])
+    assert schedule == TrainingSchedule(100, "cosine")
+    table, _ = calibrate_on_runs([records[r].data.checks for r in CALIBRATION_RUNS], INTERVAL, DELTA, shewhart=True,
+                                 schedule=schedule)
     shipped = json.loads(json.dumps(load_tail_table().to_dict()))
     assert table.to_dict()["tails"] == shipped["tails"]
     assert table.to_dict()["shewhart"] == shipped["shewhart"]  # the --mechmon-detector-shewhart tails
+    assert table.to_dict()["phase"] == shipped["phase"]  # the early-phase correction
+
+
+def _phase(record):
+    return select_phase_table(load_tail_table().phase, INTERVAL, DELTA, record_schedule(record))[0]
 
 
 def test_no_alarm_on_any_healthy_run_at_the_default_rate(records):
@@ -45,7 +56,7 @@ def test_no_alarm_on_any_healthy_run_at_the_default_rate(records):
             continue
         checks = record.data.checks
         thresholds, _ = thresholds_at_rate(checks, INTERVAL, DELTA // INTERVAL, DEFAULT_FALSE_ALARM_RATE, table)
-        replay = replay_pooled(checks, thresholds, default_sequential_config(INTERVAL))
+        replay = replay_pooled(checks, thresholds, default_sequential_config(INTERVAL), phase=_phase(record))
         assert not replay.alarms, (run_id, replay.alarms[:3])
 
 
@@ -56,6 +67,6 @@ def test_fa_faults_alarm_after_their_onset(records):
             continue
         checks = record.data.checks
         thresholds, _ = thresholds_at_rate(checks, INTERVAL, DELTA // INTERVAL, DEFAULT_FALSE_ALARM_RATE, table)
-        replay = replay_pooled(checks, thresholds, default_sequential_config(INTERVAL))
+        replay = replay_pooled(checks, thresholds, default_sequential_config(INTERVAL), phase=_phase(record))
         first = min(a.step for a in replay.alarms if a.family.startswith("attn"))
         assert record.run.fault_onset < first, run_id
