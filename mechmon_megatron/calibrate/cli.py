@@ -25,7 +25,7 @@ from mechmon_megatron.calibrate.leave_one_out import leave_one_run_out, replays_
 from mechmon_megatron.calibrate.progress import progress_bar
 from mechmon_megatron.calibrate.replay import Checks
 from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE, TailTable
-from mechmon_megatron.detect.phase_moments import TrainingSchedule
+from mechmon_megatron.detect.phase_moments import TrainingSchedule, schedule_from_flags
 
 __all__ = ["CalibrateConfig", "build_parser", "main"]
 
@@ -110,17 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _schedule(warmup: Optional[int], style: Optional[str]) -> Optional[TrainingSchedule]:
     """The runs' schedule from the two flags: both or neither."""
-    if warmup is None and style is None:
-        return None
-    if warmup is None or style is None:
-        given, missing = ("--lr-warmup-iters", "--lr-decay-style") if style is None else (
-            "--lr-decay-style", "--lr-warmup-iters")
-        raise CalibrationError(f"{given} needs {missing} too (the phase moments hold for one schedule)")
-    if warmup < 0:
-        raise CalibrationError(f"--lr-warmup-iters must be >= 0 (steps), got {warmup}")
-    if not style.strip():
-        raise CalibrationError("--lr-decay-style must name the decay, e.g. cosine")
-    return TrainingSchedule(warmup, style)
+    try:
+        return schedule_from_flags(warmup, style)
+    except ValueError as exc:
+        raise CalibrationError(str(exc)) from None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

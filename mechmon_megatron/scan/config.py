@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 from mechmon_megatron.detect.config_error import ConfigError
+from mechmon_megatron.detect.phase_moments import TrainingSchedule
 from mechmon_megatron.scan.errors import ScanInputError
 from mechmon_megatron.session.config import MechmonConfig, default_of, flag_of
 from mechmon_megatron.session.startup import directory_problem
@@ -94,6 +95,11 @@ class ScanConfig:
 
     progress: bool = True
     """Show a tqdm progress bar (checkpoints x layers) on stderr when it is a terminal."""
+
+    lr_schedule: Optional[TrainingSchedule] = None
+    """The scanned run's learning-rate schedule (``--lr-warmup-iters`` and ``--lr-decay-style``),
+    which the early-phase correction compares with its calibration's; None: the correction is off
+    (``summary.json`` notes say why)."""
 
     def __post_init__(self) -> None:
         self.inputs = tuple(str(p) for p in self.inputs)

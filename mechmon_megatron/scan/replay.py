@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 from mechmon_megatron.detect.config_error import ConfigError
 from mechmon_megatron.detect.families import FAMILIES
+from mechmon_megatron.detect.phase_moments import TrainingSchedule
 from mechmon_megatron.detect.pooled_cusum import PooledAlarm
 from mechmon_megatron.scan.config import scan_error, scan_flag
 from mechmon_megatron.scan.pairs import PairRecord
@@ -32,7 +33,13 @@ from mechmon_megatron.session import names
 from mechmon_megatron.session.alert import Alert
 from mechmon_megatron.session.config import MechmonConfig
 from mechmon_megatron.session.detector_inputs import observation
-from mechmon_megatron.session.detector_setup import alert_of, build_detector, job_shape, load_detector_design
+from mechmon_megatron.session.detector_setup import (
+    alert_of,
+    build_detector,
+    job_shape,
+    load_detector_design,
+    phase_for_job,
+)
 
 __all__ = ["Anomaly", "CheckValues", "ReplayResult", "replay", "scan_families"]
 
@@ -151,16 +158,20 @@ def _after_iteration(alarm: PooledAlarm, plan: ScanPlan) -> int:
 def replay(
     plan: ScanPlan, records: Mapping[int, Sequence[PairRecord]], attn_layers: Sequence[int],
     router_layers: Sequence[int], false_alarm_rate: float, calibration: Optional[str],
+    schedule: Optional[TrainingSchedule] = None,
 ) -> ReplayResult:
-    """``records``: check step (later iteration) -> every layer's record of that pair."""
+    """``records``: check step (later iteration) -> every layer's record of that pair;
+    ``schedule``: the run's learning-rate schedule (the early-phase correction, when it matches)."""
     config = session_config(plan, false_alarm_rate, calibration)
     try:
         design, table = load_detector_design(config)
     except ConfigError as exc:
         raise scan_error(exc) from None
+    phase, phase_line = phase_for_job(config, table, schedule)
     detector, account = build_detector(config, job_shape(config, [scan_families(attn_layers, router_layers)]),
-                                       design, table)
+                                       design, table, phase)
     summary = account.to_dict()
+    summary["notes"] = [*summary.get("notes", []), phase_line]
     summary["design"] = {"warmup_checks": design.trend.warmup, "baseline_window_checks": design.trend.window,
                          "reference": design.reference, "interval_steps": plan.interval, "delta_steps": plan.delta}
     checks: list[CheckValues] = []

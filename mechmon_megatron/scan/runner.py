@@ -263,7 +263,8 @@ def _run(config: ScanConfig, plan: ScanPlan, readers: list[CheckpointReader], la
                 cache.close()
     finally:
         progress.close()
-    result = replay(plan, by_check, layers, routers, config.false_alarm_rate, config.detector_calibration)
+    result = replay(plan, by_check, layers, routers, config.false_alarm_rate, config.detector_calibration,
+                    config.lr_schedule)
     summary = _summary(config, plan, readers, layers, routers, result, timing)
     with Staging(config.out) as stage:
         write_tensorboard(os.path.join(stage.path, "tensorboard"), result.checks)
