@@ -20,6 +20,8 @@ family and never on a precision family; the alert's change point within one ``de
 on >= 90 % of the FA runs of each cell. Needs numpy (the rule scores).
 
     python -m mechmon_megatron.research.study.early_phase_report docs/data/early_phase [--calibration F]
+
+Several folders may be given (their runs are named ``folder:run``), e.g. the design records.
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ class FaultRun:
     lead: Optional[float]
 
 
-def _fault_run(record: CampaignRecord, table: TailTable, rules: RuleThresholds) -> FaultRun:
+def _fault_run(name: str, record: CampaignRecord, table: TailTable, rules: RuleThresholds) -> FaultRun:
     onset = record.run.fault_onset or 0
     alarms = replay_shipped(record, RECORDED_INTERVAL, table=table).alarms
     after = [a for a in alarms if a["step"] >= onset]
@@ -109,7 +111,7 @@ def _fault_run(record: CampaignRecord, table: TailTable, rules: RuleThresholds) 
     cell = f"s{m['ulps']}-on{m['onset']}" if m else record.run.run_id.rsplit("-seed", 1)[0]
     divergence = events(record)["divergence"]
     step = first["step"] if first else None
-    return FaultRun(run_id=record.run.run_id, cell=cell, onset=onset, divergence=divergence, first_alarm=step,
+    return FaultRun(run_id=name, cell=cell, onset=onset, divergence=divergence, first_alarm=step,
                     family=first["family"] if first else None, change_step=first["change_step"] if first else None,
                     rule_equal=logit_rule_first(record, rules.equal), rule_quiet=logit_rule_first(record, rules.quiet),
                     alarms_before_onset=len(alarms) - len(after), lead=lead_share(step, divergence, onset))
@@ -153,7 +155,7 @@ def early_phase_report(records: Mapping[str, CampaignRecord], table: Optional[Ta
     100, the learning-rate faults' first families."""
     table = table or load_tail_table()
     rules = rules or rule_thresholds()
-    faults = [_fault_run(r, table, rules) for r in records.values() if FA_RUN.match(r.run.run_id)]
+    faults = [_fault_run(name, r, table, rules) for name, r in records.items() if FA_RUN.match(r.run.run_id)]
     cells: dict[str, list[FaultRun]] = {}
     for run in faults:
         cells.setdefault(run.cell, []).append(run)
@@ -166,7 +168,7 @@ def early_phase_report(records: Mapping[str, CampaignRecord], table: Optional[Ta
                                 "alarms": [(a["step"], a["family"], a["level"]) for a in alarms]})
     lr = []
     for run_id, record in sorted(records.items()):
-        if run_id.startswith(("moe-lr-", "moe-router-lr-")):
+        if record.run.run_id.startswith(("moe-lr-", "moe-router-lr-")):
             alarms = replay_shipped(record, RECORDED_INTERVAL, table=table).alarms
             families = [a["family"] for a in alarms]
             lr.append({"run": run_id, "first_family": families[0] if families else None,
@@ -220,11 +222,15 @@ def markdown(report: Mapping[str, Any]) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("records", help="the exported held-out records (a folder of .json.gz)")
+    p.add_argument("records", nargs="+", help="folders of exported records (.json.gz)")
     p.add_argument("--calibration", default=None, help="a tail table (default: the shipped one)")
     p.add_argument("--json", default=None, help="also write the report as JSON here")
     args = p.parse_args(argv)
-    report = early_phase_report(load_records(args.records), load_tail_table(args.calibration))
+    records: dict[str, CampaignRecord] = {}
+    for folder in args.records:
+        prefix = f"{os.path.basename(os.path.normpath(folder))}:" if len(args.records) > 1 else ""
+        records.update({prefix + run_id: r for run_id, r in load_records(folder).items()})
+    report = early_phase_report(records, load_tail_table(args.calibration))
     print(markdown(report))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
