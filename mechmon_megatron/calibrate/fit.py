@@ -14,8 +14,13 @@ note, a second schedule the records are too short for (a job at that schedule th
 recorded schedule's heavier tails, ``TailTable.tail``).
 
 Given the runs' learning-rate schedule (``TrainingSchedule``), a calibration also measures the
-phase moments of young baselines (:func:`young_residuals`, ``detect.phase_moments``) at each
-schedule first, and fits the tails on replays that apply them, as the session will.
+phase moments of young baselines (:func:`young_residuals`, ``detect.phase_moments``) at the
+recorded schedule first, and fits its tails on replays that apply them, as the session will. The
+second schedule (``interval = delta``, one check in ``delta / interval``) gets no phase moments:
+its young baselines span ``delta / interval`` times more steps with as many times fewer
+residuals per bin (32 per dW bin from the shipped calibration's two runs), and moments that noisy
+wrecked its dW tail (theta 0.78 -> 0.07); a job at that interval judges young baselines
+uncorrected, and its start-up line says so.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from mechmon_megatron.detect.pooled_cusum import (
     default_sequential_config,
     trimmed_mean,
 )
-from mechmon_megatron.session.detector_inputs import observations_from_scalars
+from mechmon_megatron.session.detector_inputs import attention_kind, observations_from_scalars
 
 __all__ = ["TAIL_QUANTILE", "Calibration", "calibrate", "calibrate_on_runs", "fit_levels", "fit_replays",
            "fit_tail_table", "null_residuals", "null_statistics", "schedules", "young_residuals"]
@@ -168,12 +173,14 @@ def fit_tail_table(
     on_replay: OnReplay = None,
     delta: Optional[int] = None,
     schedule: Optional[TrainingSchedule] = None,
+    phase_intervals: Sequence[int] = (),
 ) -> tuple[TailTable, dict[str, Any]]:
     """Null tails per overlap; ``overlaps``: overlap -> (check interval, healthy check series).
     Each overlap's series is replayed with the shipped design for its interval. ``shewhart``:
     also fit the tails of the per-check pooled residuals (the Shewhart limits' null model).
-    ``delta`` and ``schedule`` (the runs' window and learning-rate schedule) both given: first fit
-    each overlap's phase moments, then the tails on replays that apply them."""
+    ``delta`` and ``schedule`` (the runs' window and learning-rate schedule) both given: at each
+    check interval of ``phase_intervals`` first fit the phase moments (of the runs' attention
+    kind), then the tails on replays that apply them."""
     tails: dict[int, dict[str, dict[str, NullTail]]] = {}
     log: dict[str, Any] = {}
     shewhart_tails: dict[int, dict[str, dict[str, NullTail]]] = {}
@@ -181,8 +188,9 @@ def fit_tail_table(
     for overlap, (interval, series) in overlaps.items():
         config = default_sequential_config(interval)
         phase = None
-        if delta is not None and schedule is not None:
-            phase = fit_phase_table(young_residuals(series, config, on_replay), interval, delta, schedule)
+        if delta is not None and schedule is not None and interval in phase_intervals:
+            phase = fit_phase_table(young_residuals(series, config, on_replay), interval, delta, schedule,
+                                    attention=attention_kind(c for run in series for c in run))
             phases.append(phase)
             log[f"phase/{overlap}"] = phase.to_dict()
         tails[overlap], fit_log = fit_levels(null_statistics(series, config, on_replay, phase), overlap,
@@ -203,7 +211,8 @@ def calibrate_on_runs(
     """Null tails of healthy runs recorded every ``interval`` steps over ``delta``-step windows: at
     their own overlap ``ceil(delta / interval)`` and, when ``delta`` is a multiple of ``interval``,
     at overlap 1 (every ``delta / interval``-th check: the schedule ``interval = delta``).
-    ``schedule``: the runs' learning-rate schedule; given, the phase moments are fitted too."""
+    ``schedule``: the runs' learning-rate schedule; given, the phase moments are fitted too (at the
+    recorded interval only)."""
     if interval < 1 or delta < 1:
         raise ValueError(f"interval and delta must be >= 1, got {interval}, {delta}.")
     native = math.ceil(delta / interval)
@@ -211,7 +220,7 @@ def calibrate_on_runs(
     if native > 1 and delta % interval == 0:
         overlaps[1] = (delta, [subsample(c, interval, native) for c in series])
     return fit_tail_table(overlaps, source=source, shewhart=shewhart, on_replay=on_replay, delta=delta,
-                          schedule=schedule)
+                          schedule=schedule, phase_intervals=(interval,))
 
 
 def schedules(interval: int, delta: int) -> list[tuple[int, int, int]]:
@@ -228,7 +237,7 @@ def schedules(interval: int, delta: int) -> list[tuple[int, int, int]]:
 
 def fit_replays(runs: int, interval: int, delta: int, shewhart: bool = True, phase: bool = False) -> int:
     """How many run replays :func:`calibrate` makes at most (its progress total)."""
-    return runs * (1 + shewhart + phase) * len(schedules(interval, delta))
+    return runs * ((1 + shewhart) * len(schedules(interval, delta)) + phase)
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,7 +261,7 @@ def calibrate(series: Sequence[Checks], names: Sequence[str], interval: int, del
     fit a family at the recorded schedule (the message names the family and the checks it needs
     against those the runs have); a second schedule they cannot fit is left out with a note. When
     every schedule fits, the table and log equal those of ``calibrate_on_runs(..., shewhart=True)``.
-    ``schedule`` (the runs' learning-rate schedule) given: each schedule's phase moments too."""
+    ``schedule`` (the runs' learning-rate schedule) given: the recorded schedule's phase moments too."""
     check_interval(series, names, interval)
     tails: dict[int, dict[str, dict[str, NullTail]]] = {}
     shewhart: dict[int, dict[str, dict[str, NullTail]]] = {}
@@ -291,7 +300,7 @@ def _fit_schedule(runs: Sequence[Checks], names: Sequence[str], interval: int, e
         raise CalibrationError(short[0].message(sched_interval))
     try:
         table, log = fit_tail_table({overlap: (sched_interval, runs)}, source=source, shewhart=True,
-                                    on_replay=on_replay, delta=delta, schedule=schedule)
+                                    on_replay=on_replay, delta=delta, schedule=schedule, phase_intervals=(interval,))
     except ValueError as exc:
         longest = max((len(r) for r in runs), default=0)
         raise CalibrationError(f"{exc} (interval {sched_interval}: the longest run has {longest} checks)") from None

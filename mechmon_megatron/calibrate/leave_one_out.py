@@ -26,6 +26,7 @@ from mechmon_megatron.calibrate.replay import Checks, FamilyMargin, closest_marg
 from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE, NullTail, TailTable
 from mechmon_megatron.detect.phase_moments import TrainingSchedule, fit_phase_table
 from mechmon_megatron.detect.pooled_cusum import default_sequential_config
+from mechmon_megatron.session.detector_inputs import attention_kind
 
 __all__ = ["FoldFit", "HeldOutRun", "leave_one_run_out", "pool_statistics", "replays_needed", "shipped_fold_fit",
            "summary"]
@@ -59,9 +60,10 @@ def pool_statistics(stats: Sequence[Mapping[str, Mapping[str, list[float]]]]) ->
 
 
 def replays_needed(runs: int, interval: int, delta: int, phase: bool = False) -> int:
-    """How many detector replays :func:`leave_one_run_out` makes (its progress total)."""
-    per_schedule = runs * (runs + 1) if phase else 2 * runs
-    return per_schedule * len(schedules(interval, delta))
+    """How many detector replays :func:`leave_one_run_out` makes (its progress total): with
+    ``phase``, the recorded schedule's folds refit their phase moments (N + N (N - 1) + N)."""
+    n_schedules = len(schedules(interval, delta))
+    return 2 * runs * n_schedules + (runs * (runs - 1) if phase else 0)
 
 
 FoldFit = Callable[[Sequence[Checks], Sequence[Mapping[str, Mapping[str, list[float]]]], int, int],
@@ -101,7 +103,7 @@ def leave_one_run_out(series: Sequence[Checks], names: Sequence[str], interval: 
         per_run = []
         young = []
         for c in runs:
-            if schedule is None:
+            if schedule is None or every > 1:
                 per_run.append(null_statistics([c], config))
             else:
                 young.append(young_residuals([c], config))
@@ -110,11 +112,12 @@ def leave_one_run_out(series: Sequence[Checks], names: Sequence[str], interval: 
             others = [names[j] for j in range(len(runs)) if j != i]
             train = [j for j in range(len(runs)) if j != i]
             phase = None
-            if schedule is None:
+            if schedule is None or every > 1:  # phase moments at the recorded interval only (calibrate.fit)
                 stats = [per_run[j] for j in train]
             else:
                 pooled = {f: [p for j in train for p in young[j].get(f, [])] for f in {f for y in young for f in y}}
-                phase = fit_phase_table(pooled, sched_interval, delta, schedule)
+                phase = fit_phase_table(pooled, sched_interval, delta, schedule,
+                                        attention=attention_kind(c for j in train for c in runs[j]))
                 stats = []
                 for j in train:
                     stats.append(null_statistics([runs[j]], config, phase=phase))

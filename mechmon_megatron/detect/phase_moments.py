@@ -21,10 +21,13 @@ a run longer than the calibration's young phase) is judged uncorrected: the mome
 extrapolated. A grown baseline is never corrected (the same correction over the whole run raised a
 false alarm on a held-out healthy run, docs/RESULTS.md).
 
-The moments hold for the schedule they were measured on: the check interval and window
-(``delta``), which set how long a baseline stays young, and the learning-rate warm-up and decay
-style, which set the phase. :func:`select_phase_table` picks the table of a calibration file that
-matches a job and says, in one line, why the correction is off when none does.
+The moments hold for what they were measured on: the check interval and window (``delta``),
+which set how long a baseline stays young; the learning-rate warm-up and decay style, which set
+the phase; and the kind of attention (``standard`` or ``mla``: multi-head latent attention's
+Delta2 is its content part, whose early rise differs; the shipped moments, from a grouped-query
+model, raised false alarms on healthy MLA runs). :func:`select_phase_table` picks the table of a
+calibration file that matches a job and says, in one line, why the correction is off when none
+does.
 
 Pure Python, standard library only.
 """
@@ -53,6 +56,8 @@ __all__ = [
 
 DEFAULT_BIN_STEPS = 200
 """Width of a phase bin (training steps): ten checks at interval 20, two at interval 100."""
+ATTENTION_KINDS = ("standard", "mla")
+"""Attention kinds a phase table is measured on: multi-head / grouped-query, and latent (MLA)."""
 MIN_BIN_SAMPLES = 30
 """Young-baseline residuals a bin needs before its moments are used (fewer: the bin is left out)."""
 _MAD_TO_SIGMA = 1.4826
@@ -92,6 +97,8 @@ class PhaseTable:
     schedule: TrainingSchedule
     bin_steps: int
     families: Mapping[str, tuple[PhaseBin, ...]] = field(default_factory=dict)
+    attention: str = "standard"
+    """The attention kind of the runs measured (:data:`ATTENTION_KINDS`)."""
     """Family -> its measured bins, sorted by ``start`` (bins with too few residuals are absent)."""
 
     def bin_of(self, family: str, step: int) -> Optional[PhaseBin]:
@@ -119,6 +126,7 @@ class PhaseTable:
             "lr_warmup_steps": self.schedule.lr_warmup_steps,
             "lr_decay_style": self.schedule.lr_decay_style,
             "bin_steps": self.bin_steps,
+            "attention": self.attention,
             "families": {f: [[b.start, b.centre, b.scale, b.samples] for b in bins]
                          for f, bins in sorted(self.families.items())},
         }
@@ -142,6 +150,9 @@ class PhaseTable:
         if not isinstance(families, Mapping):
             raise ValueError(f"{where}.families must be an object {{family: [[start, centre, scale, samples], ...]}}")
         bin_steps = integer("bin_steps", 1)
+        attention = data.get("attention", "standard")
+        if attention not in ATTENTION_KINDS:
+            raise ValueError(f"{where}.attention must be one of {list(ATTENTION_KINDS)}, got {attention!r}")
         checked: dict[str, tuple[PhaseBin, ...]] = {}
         for family, rows in families.items():
             if family not in FAMILY_BY_NAME:
@@ -155,7 +166,7 @@ class PhaseTable:
             checked[str(family)] = bins
         return cls(interval=integer("interval", 1), delta=integer("delta", 1),
                    schedule=TrainingSchedule(integer("lr_warmup_steps", 0), style),
-                   bin_steps=bin_steps, families=checked)
+                   bin_steps=bin_steps, families=checked, attention=attention)
 
 
 def _phase_bin(row: Any, where: str, bin_steps: int) -> PhaseBin:
@@ -196,9 +207,9 @@ def phase_tables_from_list(data: Any) -> tuple[PhaseTable, ...]:
     if not isinstance(data, Sequence) or isinstance(data, str):
         raise ValueError(f'"phase" must be a list of phase tables, got {type(data).__name__}')
     tables = tuple(PhaseTable.from_dict(entry, f"phase[{i}]") for i, entry in enumerate(data))
-    keys = [(t.interval, t.delta, t.schedule) for t in tables]
+    keys = [(t.interval, t.delta, t.schedule, t.attention) for t in tables]
     if len(set(keys)) != len(keys):
-        raise ValueError('"phase" has two tables for one interval, delta and schedule')
+        raise ValueError('"phase" has two tables for one interval, delta, schedule and attention kind')
     return tables
 
 
@@ -209,6 +220,7 @@ def fit_phase_table(
     schedule: TrainingSchedule,
     bin_steps: int = DEFAULT_BIN_STEPS,
     min_samples: int = MIN_BIN_SAMPLES,
+    attention: str = "standard",
 ) -> PhaseTable:
     """The phase moments of healthy young-baseline residuals: ``residuals`` maps a family to its
     ``(training step, z)`` pairs (every young stream at every check of every healthy run,
@@ -231,15 +243,17 @@ def fit_phase_table(
             if scale > 0:
                 bins.append(PhaseBin(start=start, centre=centre, scale=scale, samples=len(zs)))
         families[family] = tuple(bins)
-    return PhaseTable(interval=interval, delta=delta, schedule=schedule, bin_steps=bin_steps, families=families)
+    return PhaseTable(interval=interval, delta=delta, schedule=schedule, bin_steps=bin_steps, families=families,
+                      attention=attention)
 
 
 def select_phase_table(
-    tables: Sequence[PhaseTable], interval: int, delta: int, schedule: Optional[TrainingSchedule]
+    tables: Sequence[PhaseTable], interval: int, delta: int, schedule: Optional[TrainingSchedule],
+    attention: str = "standard",
 ) -> tuple[Optional[PhaseTable], str]:
-    """The table measured at the job's interval, delta and schedule, and one line for the start-up
-    log: why the correction is off (no table, no table for this check schedule, another or an
-    unknown learning-rate schedule), or which steps it covers."""
+    """The table measured at the job's interval, delta, schedule and attention kind, and one line
+    for the start-up log: why the correction is off (no table, no table for this check schedule,
+    another or an unknown learning-rate schedule, another attention kind), or which steps it covers."""
     if not tables:
         return None, ("the calibration has no phase moments (a file written before the early-phase "
                       "correction): young baselines are judged uncorrected; refit it with mechmon-calibrate")
@@ -252,10 +266,15 @@ def select_phase_table(
         return None, ("the job's learning-rate schedule is unknown to mechmon: the early-phase correction "
                       f"(measured with a {at_schedule[0].schedule.describe()}) is off")
     for table in at_schedule:
-        if table.schedule == schedule:
+        if table.schedule == schedule and table.attention == attention:
             return table, (f"early-phase correction on: young baselines of steps 0-{table.covered_until()} are "
                            f"standardised by the healthy null of their {table.bin_steps}-step phase "
-                           f"(measured with a {schedule.describe()})")
+                           f"(measured with a {schedule.describe()}, {attention} attention)")
+    kinds = sorted({t.attention for t in at_schedule if t.schedule == schedule})
+    if kinds:
+        return None, (f"the phase moments were measured on {', '.join(kinds)} attention, this job has {attention} "
+                      "attention: the early-phase correction is off (refit with mechmon-calibrate on healthy runs "
+                      "of this model)")
     measured = "; ".join(t.schedule.describe() for t in at_schedule)
     return None, (f"the phase moments were measured with a {measured}, this job has a {schedule.describe()}: "
                   "the early-phase correction is off (refit with mechmon-calibrate on healthy runs of this "

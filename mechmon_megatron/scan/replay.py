@@ -158,16 +158,17 @@ def _after_iteration(alarm: PooledAlarm, plan: ScanPlan) -> int:
 def replay(
     plan: ScanPlan, records: Mapping[int, Sequence[PairRecord]], attn_layers: Sequence[int],
     router_layers: Sequence[int], false_alarm_rate: float, calibration: Optional[str],
-    schedule: Optional[TrainingSchedule] = None,
+    schedule: Optional[TrainingSchedule] = None, attention: str = "standard",
 ) -> ReplayResult:
     """``records``: check step (later iteration) -> every layer's record of that pair;
-    ``schedule``: the run's learning-rate schedule (the early-phase correction, when it matches)."""
+    ``schedule`` and ``attention``: the run's learning-rate schedule and attention kind (the
+    early-phase correction, when both match the calibration's)."""
     config = session_config(plan, false_alarm_rate, calibration)
     try:
         design, table = load_detector_design(config)
     except ConfigError as exc:
         raise scan_error(exc) from None
-    phase, phase_line = phase_for_job(config, table, schedule)
+    phase, phase_line = phase_for_job(config, table, schedule, attention)
     detector, account = build_detector(config, job_shape(config, [scan_families(attn_layers, router_layers)]),
                                        design, table, phase)
     summary = account.to_dict()

@@ -263,8 +263,9 @@ def _run(config: ScanConfig, plan: ScanPlan, readers: list[CheckpointReader], la
                 cache.close()
     finally:
         progress.close()
+    attention = "mla" if any(readers[0].heads(L).mla is not None for L in layers) else "standard"
     result = replay(plan, by_check, layers, routers, config.false_alarm_rate, config.detector_calibration,
-                    config.lr_schedule)
+                    config.lr_schedule, attention)
     summary = _summary(config, plan, readers, layers, routers, result, timing)
     with Staging(config.out) as stage:
         write_tensorboard(os.path.join(stage.path, "tensorboard"), result.checks)

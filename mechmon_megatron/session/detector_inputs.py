@@ -15,7 +15,7 @@ family with a ``limit_scalar`` (the routing entropy) finds its absolute limit in
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Optional
 
 from mechmon_megatron.detect.families import FAMILIES, FAMILY_BY_NAME, FamilySpec
@@ -91,3 +91,16 @@ def observations_from_scalars(scalars: Mapping[str, float]) -> list[Observation]
             limit = scalars.get(f"{names.PREFIX}/{spec.monitor}/{spec.limit_scalar}/layer_{layer}")
         out.append(Observation(family=family, layer=layer, member=member, value=float(scalars[name]), limit=limit))
     return out
+
+
+MLA_MARKER = f"{names.PREFIX}/attn/delta2_whole_entropy/"
+"""Written only for multi-head latent attention layers (``session/mla_check.py``)."""
+
+
+def attention_kind(checks: Iterable[tuple[int, Mapping[str, float]]]) -> str:
+    """``mla`` when a recorded run's checks hold a latent-attention layer's scalars, else
+    ``standard``: the attention kind its phase moments hold for (``detect.phase_moments``)."""
+    for _, scalars in checks:
+        if any(name.startswith(MLA_MARKER) for name in scalars):
+            return "mla"
+    return "standard"

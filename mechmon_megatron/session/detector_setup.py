@@ -236,12 +236,12 @@ def _check_tails(table: TailTable, overlap: int, family: str, shewhart: bool) ->
                              f"{tail.theta:.3g}, too small for a finite threshold")
 
 
-def phase_for_job(config: MechmonConfig, table: TailTable,
-                  schedule: Optional[TrainingSchedule]) -> tuple[Optional[PhaseTable], str]:
-    """The phase moments of ``table`` that match the job's check schedule and learning-rate
-    ``schedule`` (None: the host could not say), and the one line the writer logs about them
-    (``detect.phase_moments.select_phase_table``)."""
-    return select_phase_table(table.phase, config.interval, config.delta, schedule)
+def phase_for_job(config: MechmonConfig, table: TailTable, schedule: Optional[TrainingSchedule],
+                  attention: str = "standard") -> tuple[Optional[PhaseTable], str]:
+    """The phase moments of ``table`` that match the job's check schedule, learning-rate
+    ``schedule`` (None: the host could not say) and ``attention`` kind (``AttentionSite.attention``),
+    and the one line the writer logs about them (``detect.phase_moments.select_phase_table``)."""
+    return select_phase_table(table.phase, config.interval, config.delta, schedule, attention)
 
 
 def build_detector(

@@ -109,6 +109,10 @@ class AttentionSite:
     reports: Optional[bool] = None
     """Whether this rank does the layer's per-head or full-matrix work (sends records at a check);
     None: unknown (from ``snapshot_budget``, or assumed)."""
+    attention: str = "standard"
+    """``standard`` (multi-head, grouped-query) or ``mla`` (multi-head latent attention, whose
+    Delta2 stream is the content part): the early-phase correction holds for the kind it was
+    measured on (``detect.phase_moments``)."""
 
 
 @dataclass

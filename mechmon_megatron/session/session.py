@@ -108,8 +108,9 @@ class MonitoringSession:
         self._pending_abort: Optional[Decision] = None
         # Only the writer rank decides, so only it tells people (--mechmon-alert-webhook).
         webhook = WebhookPoster(config.alert_webhook) if (config.alert_webhook and self.comm.is_writer) else None
+        attention = "mla" if any(site.attention == "mla" for site in self.attention_sites) else "standard"
         self._decision = WriterDecision(config, self.failures, self.writer, design, tail_table, webhook,
-                                        phase_for_job(config, tail_table, schedule))
+                                        phase_for_job(config, tail_table, schedule, attention))
         self._exchange = RecordExchange(self.comm, self.failures, self.rank, self._local_layers, reporting)
         self._closed = False
         self._checks_run = 0  # checks this launch ran (the closing line)

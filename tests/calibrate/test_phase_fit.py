@@ -80,9 +80,9 @@ def test_a_blank_decay_style_is_refused(tmp_path, capsys):
     assert "--lr-decay-style" in line
 
 
-def test_with_the_schedule_the_file_has_the_phase_moments_of_each_schedule(tmp_path, capsys):
-    """Four runs: at interval 100 a 200-step bin holds 2 checks x 4 streams x 4 runs = 32 >= 30
-    young residuals, so both schedules measure bins."""
+def test_with_the_schedule_the_file_has_the_phase_moments_of_the_recorded_schedule(tmp_path, capsys):
+    """Four runs recorded at interval 20: the phase moments are measured at interval 20 only (at
+    interval 100 a bin would hold 5 times fewer residuals: its tails are fitted uncorrected)."""
     seeds = (1, 2, 3, 4)
     paths = _write_runs(tmp_path, seeds)
     out = tmp_path / "tails.json"
@@ -93,11 +93,12 @@ def test_with_the_schedule_the_file_has_the_phase_moments_of_each_schedule(tmp_p
     data = json.loads(out.read_text())
     assert "250-step warm-up, WSD decay" in data["source"]
     phase = data["phase"]
-    assert [(p["interval"], p["delta"]) for p in phase] == [(i, 100) for i, _, _ in schedules(20, 100)]
+    assert [(p["interval"], p["delta"], p["attention"]) for p in phase] == [(20, 100, "standard")]
     assert all((p["lr_warmup_steps"], p["lr_decay_style"]) == (250, "WSD") for p in phase)
     table = TailTable.from_dict(data)
     series = _series(seeds)
-    for entry, (interval, overlap, every) in zip(table.phase, schedules(20, 100)):
+    assert len(table.phase) == 1
+    for entry, (interval, overlap, every) in zip(table.phase, schedules(20, 100)[:1]):
         assert entry.schedule == schedule
         runs = series if every == 1 else [subsample(c, 20, every) for c in series]
         expected = fit_phase_table(young_residuals(runs, default_sequential_config(interval)), interval, 100,
@@ -130,7 +131,8 @@ def test_the_moments_change_the_fitted_tails(tmp_path, capsys):
     capsys.readouterr()
     a, b = json.loads(plain.read_text()), json.loads(corrected.read_text())
     assert a["tails"]["5"] != b["tails"]["5"]
-    assert [PhaseTable.from_dict(p).schedule for p in b["phase"]] == [TrainingSchedule(100, "cosine")] * 2
+    assert a["tails"]["1"] == b["tails"]["1"]  # interval 100: no phase moments, the same fit
+    assert [PhaseTable.from_dict(p).schedule for p in b["phase"]] == [TrainingSchedule(100, "cosine")]
 
 
 @pytest.mark.parametrize("interval,delta", [(20, 100), (100, 100)])
@@ -141,6 +143,6 @@ def test_leave_one_out_makes_the_replays_it_announces(interval, delta, phase):
     held = leave_one_run_out(series, ["a", "b", "c"], interval, delta, on_replay=lambda: ticks.append(1),
                              schedule=TrainingSchedule(100, "cosine") if phase else None)
     assert len(ticks) == replays_needed(3, interval, delta, phase=phase)
-    per_schedule = 3 * 4 if phase else 2 * 3
-    assert len(ticks) == per_schedule * len(schedules(interval, delta))
+    # The recorded schedule's folds refit their phase moments: 3 + 3 x 2 + 3 replays instead of 2 x 3.
+    assert len(ticks) == 2 * 3 * len(schedules(interval, delta)) + (3 * 2 if phase else 0)
     assert len(held) == 3 * len(schedules(interval, delta))

@@ -263,7 +263,7 @@ def test_phase_tables_from_list():
     c = _table(interval=100)
     assert phase_tables_from_list([a.to_dict(), b.to_dict(), c.to_dict()]) == (a, b, c)
     assert phase_tables_from_list([]) == ()
-    with pytest.raises(ValueError, match='"phase" has two tables for one interval, delta and schedule'):
+    with pytest.raises(ValueError, match='"phase" has two tables for one interval, delta, schedule and attention kind'):
         phase_tables_from_list([a.to_dict(), b.to_dict(), a.to_dict()])
     # Only the bins differ: still one interval, delta and schedule twice.
     other_bins = _table().to_dict()
@@ -384,9 +384,14 @@ def test_a_duplicate_phase_table_is_refused_by_the_tail_table():
         TailTable.from_dict(data)
 
 
-@pytest.mark.parametrize("interval", [20, 100])
-def test_the_shipped_table_corrects_the_schedules_it_serves(interval):
+def test_the_shipped_table_corrects_interval_20_only_and_standard_attention_only():
+    interval = 20
     shipped = load_tail_table()
+    off, why = select_phase_table(shipped.phase, 100, 100, TrainingSchedule(100, "cosine"))
+    assert off is None
+    assert why.startswith("no phase moments for interval 100 delta 100 (measured: interval 20 delta 100")
+    off, why = select_phase_table(shipped.phase, 20, 100, TrainingSchedule(100, "cosine"), "mla")
+    assert off is None and why.startswith("the phase moments were measured on standard attention, this job has mla")
     table, line = select_phase_table(shipped.phase, interval, 100, TrainingSchedule(100, "cosine"))
     assert table is not None, line
     assert (table.interval, table.delta, table.schedule) == (interval, 100, TrainingSchedule(100, "cosine"))

@@ -4,6 +4,7 @@ phase bin's affine map (the session on plain tensors, attention only)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -54,8 +55,8 @@ def test_the_shipped_calibration_corrects_a_job_of_its_schedule(tmp_path, caplog
     (TrainingSchedule(2000, "cosine"), {}, "this job has a 2000-step warm-up, cosine decay: the early-phase "
                                            "correction is off"),
     (TrainingSchedule(100, "WSD"), {}, "this job has a 100-step warm-up, WSD decay"),
-    (STUDY, {"interval": 5, "delta": 5}, "no phase moments for interval 5 delta 5 (measured: interval 20 delta 100, "
-                                          "interval 100 delta 100;"),
+    (STUDY, {"interval": 5, "delta": 5}, "no phase moments for interval 5 delta 5 (measured: interval 20 delta 100;"),
+    (STUDY, {"interval": 100, "delta": 100}, "no phase moments for interval 100 delta 100"),
 ])
 def test_a_job_the_phase_moments_do_not_cover_is_told_once_and_judged_uncorrected(tmp_path, caplog, schedule,
                                                                                    overrides, phrase):
@@ -95,3 +96,19 @@ def test_a_young_baselines_residual_is_the_phase_bins_affine_map_of_the_uncorrec
         u_off = rows["off"][300][key]
         assert abs(u_off) < 8 and rows["on"][300][key] == pytest.approx((u_off - b.centre) / b.scale, rel=1e-9)
         assert rows["on"][300][key] != pytest.approx(u_off)
+
+
+def test_a_latent_attention_job_is_not_corrected_by_moments_of_standard_attention(tmp_path, caplog):
+    """The shipped moments come from a grouped-query model; on healthy MLA runs they raised false
+    alarms, so a job whose sites are MLA (``AttentionSite.attention``) runs uncorrected."""
+    caplog.set_level(logging.INFO, logger="mechmon_megatron.session.session")
+    layers = [ToyAttention(1, 0)]
+    site = dataclasses.replace(layers[0].site(), attention="mla")
+    writer = WriterGroup([JsonlScalarWriter(str(tmp_path / "scalars.jsonl"))])
+    session = MonitoringSession(MechmonConfig(enabled=True, interval=20, delta=100, log_dir=str(tmp_path)), [site],
+                                writer=writer, schedule=STUDY)
+    run(session, layers, 320)
+    assert session.detector is not None and session.detector.phase is None
+    session.close()
+    lines = _phase_lines(caplog)
+    assert len(lines) == 1 and "measured on standard attention, this job has mla attention" in lines[0], lines

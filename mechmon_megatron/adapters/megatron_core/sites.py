@@ -211,7 +211,7 @@ def _mla_site(item: FoundAttention, group: Any, full_matrix: bool, dp_rank: int,
     size = element_size if element_size is not None else (4 if main else param.element_size())
     return AttentionSite(item.layer_number, reader.read_heads, reader.read_full, item.name,
                          snapshot_budget=reader.budget(size, param.device),
-                         reports=reader.heads_owner or reader.full_owner)
+                         reports=reader.heads_owner or reader.full_owner, attention="mla")
 
 
 def router_sites(

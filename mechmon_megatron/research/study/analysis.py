@@ -67,7 +67,7 @@ from mechmon_megatron.detect.pooled_cusum import default_sequential_config
 from mechmon_megatron.research.baselines.symptom_rules import GrowthRule, build_symptom_rules
 from mechmon_megatron.research.study.pooled_replay import replay_pooled, thresholds_at_rate
 from mechmon_megatron.session import names
-from mechmon_megatron.session.detector_inputs import observations_from_scalars, stream_family
+from mechmon_megatron.session.detector_inputs import attention_kind, observations_from_scalars, stream_family
 
 __all__ = ["stream_family"]  # re-exported: the family of a recorded scalar (session.detector_inputs)
 
@@ -234,7 +234,7 @@ def replay_mechmon(data: RunData, setting: DetectorSetting = DEFAULT_DETECTOR, i
     overlap = max(1, math.ceil(delta / interval))
     table = load_tail_table()
     thresholds, _ = thresholds_at_rate(data.checks, interval, overlap, setting.false_alarm_rate, table)
-    phase, _ = select_phase_table(table.phase, interval, delta, schedule)
+    phase, _ = select_phase_table(table.phase, interval, delta, schedule, attention_kind(data.checks))
     replay = replay_pooled(data.checks, thresholds, default_sequential_config(interval), phase=phase)
     first_stream: dict[str, Optional[str]] = {f: None for f in MECHMON_FAMILIES}
     for alarm in replay.alarms:

@@ -56,7 +56,7 @@ from mechmon_megatron.research.study.shipped_replay import (
     record_schedule,
     replay_shipped,
 )
-from mechmon_megatron.session.detector_inputs import observations_from_scalars
+from mechmon_megatron.session.detector_inputs import attention_kind, observations_from_scalars
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..")
 DESIGN_DIRS = ("docs/data/detector_study", "docs/data/short_window_study", "docs/data/fa_s8_study")
@@ -77,7 +77,8 @@ def first_alarm_path(record: CampaignRecord, table: TailTable) -> tuple[Optional
     overlap = max(1, -(-RECORDED_DELTA // RECORDED_INTERVAL))
     thresholds, account = thresholds_at_rate(checks, RECORDED_INTERVAL, overlap, DEFAULT_FALSE_ALARM_RATE, table)
     config = default_sequential_config(RECORDED_INTERVAL)
-    phase, _ = select_phase_table(table.phase, RECORDED_INTERVAL, RECORDED_DELTA, record_schedule(record))
+    phase, _ = select_phase_table(table.phase, RECORDED_INTERVAL, RECORDED_DELTA, record_schedule(record),
+                                  attention_kind(record.data.checks))
     det = PooledCusumDetector(thresholds, config, warning_probability=account.warning_per_test_check_probability,
                               phase=phase)
     paths: dict[tuple[str, Optional[int]], Path] = {}  # (family, layer or None for the family test)

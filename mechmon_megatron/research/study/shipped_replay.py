@@ -35,7 +35,7 @@ from mechmon_megatron.research.study import rule_scores
 from mechmon_megatron.research.study.campaign_data import CampaignRecord
 from mechmon_megatron.research.study.detector_report import events, lead_share, operating_index, symptom_sweeps
 from mechmon_megatron.research.study.scenarios import schedule_of_flags
-from mechmon_megatron.session.detector_inputs import stream_family
+from mechmon_megatron.session.detector_inputs import attention_kind, stream_family
 
 RECORDED_INTERVAL = 20
 """Steps between the recorded checks of the detector and short-window studies."""
@@ -91,7 +91,8 @@ def replay_shipped(record: CampaignRecord, interval: int = RECORDED_INTERVAL,
     overlap = max(1, -(-RECORDED_DELTA // interval))
     checks = subsample(only_families(record.data.checks, CORE_FAMILIES), RECORDED_INTERVAL, every)
     table = table or load_tail_table()
-    phase, _ = select_phase_table(table.phase, interval, RECORDED_DELTA, record_schedule(record))
+    phase, _ = select_phase_table(table.phase, interval, RECORDED_DELTA, record_schedule(record),
+                                  attention_kind(record.data.checks))
     out = replay_healthy(checks, interval, overlap, table, record.run.run_id, rate, phase=phase)
     out.steps = record.data.steps[-1] if record.data.steps else 0
     return out

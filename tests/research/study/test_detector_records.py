@@ -14,6 +14,7 @@ from mechmon_megatron.research.study.campaign_records import load_records
 from mechmon_megatron.research.study.detector_report import CALIBRATION_RUNS, DELTA, INTERVAL
 from mechmon_megatron.research.study.pooled_replay import calibrate_on_runs, replay_pooled, thresholds_at_rate
 from mechmon_megatron.research.study.shipped_replay import record_schedule
+from mechmon_megatron.session.detector_inputs import attention_kind
 
 RECORDS = os.path.join(os.path.dirname(__file__), "..", "..", "..", "docs", "data", "detector_study")
 
@@ -46,7 +47,8 @@ def test_shipped_null_tails_are_the_fit_of_the_calibration_runs(records):
 
 
 def _phase(record):
-    return select_phase_table(load_tail_table().phase, INTERVAL, DELTA, record_schedule(record))[0]
+    return select_phase_table(load_tail_table().phase, INTERVAL, DELTA, record_schedule(record),
+                              attention_kind(record.data.checks))[0]
 
 
 def test_no_alarm_on_any_healthy_run_at_the_default_rate(records):
