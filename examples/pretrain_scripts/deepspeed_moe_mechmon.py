@@ -375,27 +375,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.save and (not args.save_interval or args.train_iters % args.save_interval):
         engine.save_checkpoint(args.save, client_state=client_state())
     mechmon.detach()
-    leave_job()
+    # Leave together: a rank that exits while a peer is still inside a gloo collective makes the
+    # peer's gloo thread abort ("terminate called without an active exception").
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
     return 0
 
 
-def leave_job() -> None:
-    """Every rank: leave together, then exit 0 at once, without the interpreter's teardown.
+def exit_now(code: int) -> None:
+    """Exit with ``code`` at once, without the interpreter's teardown (the script's last step).
 
-    The barrier: a rank that exits while a peer is still inside a gloo collective makes the peer's
-    gloo thread abort ("terminate called without an active exception"). ``os._exit``: gloo's
-    worker threads outlive ``destroy_process_group`` while any Python object still refers to a
-    group (DeepSpeed keeps its groups in module globals), and a worker that drops a collective's
-    last tensor while the interpreter finalizes needs the GIL it can no longer take; the process
-    then aborts (exit -6) after a run that succeeded. Everything is written by now: checkpoints and
-    the csv monitor synchronously, mechmon's writers closed by ``detach``."""
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    gloo's worker threads outlive ``destroy_process_group`` while any Python object still refers to
+    a group (DeepSpeed keeps its groups in module globals), and a worker that drops a collective's
+    last tensor while the interpreter finalizes needs the GIL it can no longer take: the process
+    then aborts (exit -6) after a run that succeeded. Everything is written by then: checkpoints
+    and the csv monitor synchronously, mechmon's writers closed by ``detach``."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -74,4 +75,7 @@ def main(out: str, argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2:]))
+    code = main(sys.argv[1], sys.argv[2:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # as the example script leaves (its exit_now): no interpreter teardown
