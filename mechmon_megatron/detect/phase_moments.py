@@ -18,8 +18,8 @@ over every stream and run in it. While a stream's baseline is young and its chec
 measured bin, the detector judges ``z' = (z - c_b) / s_b`` instead of ``z`` (clipped and pooled as
 before). A check outside every measured bin (a baseline re-learned after an alarm late in the run,
 a run longer than the calibration's young phase) is judged uncorrected: the moments are never
-extrapolated. A grown baseline is never corrected (the same correction over the whole run raised a
-false alarm on a held-out healthy run, docs/RESULTS.md).
+extrapolated. A grown baseline is never corrected: its residual follows the null the tails were
+fitted on.
 
 The moments hold for what they were measured on: the check interval and window (``delta``),
 which set how long a baseline stays young; the learning-rate warm-up and decay style, which set
@@ -55,7 +55,7 @@ __all__ = [
 ]
 
 DEFAULT_BIN_STEPS = 200
-"""Width of a phase bin (training steps): ten checks at interval 20, two at interval 100."""
+"""Width of a phase bin (training steps): ten checks at interval 20."""
 ATTENTION_KINDS = ("standard", "mla")
 """Attention kinds a phase table is measured on: multi-head / grouped-query, and latent (MLA)."""
 MIN_BIN_SAMPLES = 30
