@@ -25,7 +25,8 @@ from mechmon_megatron.calibrate.leave_one_out import leave_one_run_out, replays_
 from mechmon_megatron.calibrate.progress import progress_bar
 from mechmon_megatron.calibrate.replay import Checks
 from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE, TailTable
-from mechmon_megatron.detect.phase_moments import TrainingSchedule, schedule_from_flags
+from mechmon_megatron.detect.phase_moments import TrainingSchedule
+from mechmon_megatron.session.schedule_flags import add_schedule_flags, schedule_from_args
 
 __all__ = ["CalibrateConfig", "build_parser", "main"]
 
@@ -101,17 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also replay each run with the tails of the others (needs at least 3 runs)")
     p.add_argument("--rate", type=float, default=DEFAULT_FALSE_ALARM_RATE,
                    help="false alarms per 10^6 steps for --leave-one-out (the session default)")
-    p.add_argument("--lr-warmup-iters", type=int, default=None,
-                   help="the runs' learning-rate warm-up (steps); with --lr-decay-style, fit the phase moments")
-    p.add_argument("--lr-decay-style", default=None,
-                   help="the runs' learning-rate decay (Megatron's --lr-decay-style: cosine, linear, WSD, ...)")
+    add_schedule_flags(p, "the runs'")
     return p
 
 
-def _schedule(warmup: Optional[int], style: Optional[str]) -> Optional[TrainingSchedule]:
-    """The runs' schedule from the two flags: both or neither."""
+def _schedule(args: argparse.Namespace) -> Optional[TrainingSchedule]:
     try:
-        return schedule_from_flags(warmup, style)
+        return schedule_from_args(args)
     except ValueError as exc:
         raise CalibrationError(str(exc)) from None
 
@@ -122,7 +119,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         config = CalibrateConfig(runs=tuple(args.runs), interval=args.interval, delta=args.delta, out=args.out,
                                  force=args.force, leave_one_out=args.leave_one_out, rate=args.rate,
-                                 schedule=_schedule(args.lr_warmup_iters, args.lr_decay_style))
+                                 schedule=_schedule(args))
         result = _run(config)
     except CalibrationError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)

@@ -50,7 +50,6 @@ __all__ = [
     "TrainingSchedule",
     "fit_phase_table",
     "phase_tables_from_list",
-    "schedule_from_flags",
     "select_phase_table",
 ]
 
@@ -183,23 +182,6 @@ def _phase_bin(row: Any, where: str, bin_steps: int) -> PhaseBin:
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
         raise ValueError(f"{where}: samples must be an integer >= 1, got {samples!r}")
     return PhaseBin(start=start, centre=float(centre), scale=float(scale), samples=samples)
-
-
-def schedule_from_flags(warmup: Optional[int], style: Optional[str]) -> Optional[TrainingSchedule]:
-    """The schedule of the command-line tools' ``--lr-warmup-iters`` and ``--lr-decay-style``:
-    both or neither (None). ``ValueError`` (naming the flags) for one alone, a negative warm-up or
-    an empty style."""
-    if warmup is None and style is None:
-        return None
-    if warmup is None or style is None:
-        given, missing = ("--lr-warmup-iters", "--lr-decay-style") if style is None else (
-            "--lr-decay-style", "--lr-warmup-iters")
-        raise ValueError(f"{given} needs {missing} too (the phase moments hold for one schedule)")
-    if warmup < 0:
-        raise ValueError(f"--lr-warmup-iters must be >= 0 (steps), got {warmup}")
-    if not style.strip():
-        raise ValueError("--lr-decay-style must name the decay, e.g. cosine")
-    return TrainingSchedule(warmup, style)
 
 
 def phase_tables_from_list(data: Any) -> tuple[PhaseTable, ...]:

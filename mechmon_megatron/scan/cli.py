@@ -12,10 +12,11 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from mechmon_megatron.detect.phase_moments import TrainingSchedule, schedule_from_flags
+from mechmon_megatron.detect.phase_moments import TrainingSchedule
 from mechmon_megatron.scan.config import SHARED_SETTINGS, ScanConfig, scan_flag
 from mechmon_megatron.scan.errors import ScanInputError
 from mechmon_megatron.session.config import argparse_kwargs
+from mechmon_megatron.session.schedule_flags import add_schedule_flags, schedule_from_args
 
 __all__ = ["build_parser", "main"]
 
@@ -62,10 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="kind of the QK-norms / MLA latent norms; default: from the checkpoint, else RMSNorm")
     mla.add_argument("--apply-layernorm-1p", action="store_true",
                      help="the norm weights store gamma - 1 (zero-centred gamma); default: from the checkpoint")
-    p.add_argument("--lr-warmup-iters", type=int, default=None,
-                   help="the run's learning-rate warm-up (steps); with --lr-decay-style, young baselines get the "
-                        "early-phase correction of the calibration")
-    p.add_argument("--lr-decay-style", default=None, help="the run's learning-rate decay (cosine, linear, WSD, ...)")
+    add_schedule_flags(p, "the run's")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -78,13 +76,13 @@ def config_from_args(args: argparse.Namespace) -> ScanConfig:
         num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, qk_head_dim=args.qk_head_dim,
         qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim, normalization=args.normalization,
         apply_layernorm_1p=args.apply_layernorm_1p, progress=not args.no_progress,
-        lr_schedule=_schedule(args.lr_warmup_iters, args.lr_decay_style),
+        lr_schedule=_schedule(args),
     )
 
 
-def _schedule(warmup: Optional[int], style: Optional[str]) -> Optional[TrainingSchedule]:
+def _schedule(args: argparse.Namespace) -> Optional[TrainingSchedule]:
     try:
-        return schedule_from_flags(warmup, style)
+        return schedule_from_args(args)
     except ValueError as exc:
         raise ScanInputError(str(exc)) from None
 

@@ -13,22 +13,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
-from mechmon_megatron.research.study import rule_scores
 from mechmon_megatron.research.study.analysis import MECHMON_FAMILIES, RunData
 from mechmon_megatron.research.study.early_phase_report import RuleThresholds
-from mechmon_megatron.research.study.shipped_replay import LOGIT_RULE
+from mechmon_megatron.research.study.shipped_replay import logit_rule_after
 
-__all__ = ["footing_lines", "rule_first"]
-
-
-def rule_first(data: RunData, threshold: float, onset: Optional[int]) -> Optional[int]:
-    """First alarm episode of the max-logit rule at ``threshold`` starting at or after ``onset``
-    (the whole run for a clean run); None when it never fires or the run has no logit."""
-    series = rule_scores.rule_scores(data.steps, data.loss, data.grad_norm, data.max_attn_logit, {}).get(LOGIT_RULE)
-    if series is None:
-        return None
-    starts = [s for s in rule_scores.episodes(series, threshold) if s >= (onset or 0)]
-    return starts[0] if starts else None
+__all__ = ["footing_lines"]
 
 
 def _mechmon_first(run: Mapping[str, Any]) -> tuple[Optional[int], str]:
@@ -57,7 +46,7 @@ def footing_lines(runs: Sequence[Mapping[str, Any]], data: Mapping[str, RunData]
         onset = run.get("fault_onset")
         first, family = _mechmon_first(run)
         d = data[run["run_id"]]
-        equal, quiet = rule_first(d, rules.equal, onset), rule_first(d, rules.quiet, onset)
+        equal, quiet = logit_rule_after(d, rules.equal, onset), logit_rule_after(d, rules.quiet, onset)
         label = f"{run['scenario']} seed {run['seed']}"
         false = "!" if onset is None else ""  # a clean run: any alarm is a false one
         lines.append(f"| {label} | {_fmt(onset)} | {_fmt(first)}{false if first is not None else ''}"

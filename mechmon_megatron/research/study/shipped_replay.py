@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from mechmon_megatron.calibrate.replay import (
     CORE_FAMILIES,
@@ -64,14 +64,17 @@ def logit_rule_threshold(records: Mapping[str, CampaignRecord]) -> Optional[floa
 
 def logit_rule_first(record: CampaignRecord, threshold: Optional[float]) -> Optional[int]:
     """First alarm episode of the max-logit rule that starts at or after the onset."""
-    if threshold is None:
-        return None
-    d = record.data
-    series = rule_scores.rule_scores(d.steps, d.loss, d.grad_norm, d.max_attn_logit, {}).get(LOGIT_RULE)
+    return None if threshold is None else logit_rule_after(record.data, threshold, record.run.fault_onset)
+
+
+def logit_rule_after(data: Any, threshold: float, onset: Optional[int]) -> Optional[int]:
+    """First alarm episode of the max-logit rule at ``threshold`` that starts at or after ``onset``
+    (the whole run for None) in ``data`` (``steps``, ``loss``, ``grad_norm``, ``max_attn_logit``
+    per step: a record's data or a study run's); None when it never fires or there is no logit."""
+    series = rule_scores.rule_scores(data.steps, data.loss, data.grad_norm, data.max_attn_logit, {}).get(LOGIT_RULE)
     if series is None:
         return None
-    onset = record.run.fault_onset or 0
-    starts = [s for s in rule_scores.episodes(series, threshold) if s >= onset]
+    starts = [s for s in rule_scores.episodes(series, threshold) if s >= (onset or 0)]
     return starts[0] if starts else None
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from mechmon_megatron.research.study.analysis import RunData
 from mechmon_megatron.research.study.campaign_records import load_records
-from mechmon_megatron.research.study.demo_footing import footing_lines, rule_first
+from mechmon_megatron.research.study.demo_footing import footing_lines
 from mechmon_megatron.research.study.early_phase_report import (
     RuleThresholds,
     cell_summary,
@@ -18,7 +18,7 @@ from mechmon_megatron.research.study.early_phase_report import (
     markdown,
     rule_thresholds,
 )
-from mechmon_megatron.research.study.shipped_replay import logit_rule_first
+from mechmon_megatron.research.study.shipped_replay import logit_rule_after, logit_rule_first
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "..")
 RECORDS = os.path.join(ROOT, "docs", "data", "detector_study")
@@ -70,11 +70,11 @@ def test_the_demo_table_reads_the_rule_as_the_report_does(records, rules):
     data = RunData(steps=list(d.steps), loss=list(d.loss), grad_norm=list(d.grad_norm),
                    max_attn_logit=list(d.max_attn_logit), checks=list(d.checks))
     for threshold in (rules.equal, rules.quiet):
-        assert rule_first(data, threshold, 500) == logit_rule_first(record, threshold)
+        assert logit_rule_after(data, threshold, 500) == logit_rule_first(record, threshold)
     run = {"run_id": "fa", "scenario": "fa", "seed": 1, "fault_onset": 500,
            "first_alarm": {"attn_delta2": 580, "attn_dw": None, "router_entropy": None, "router_weights": None}}
     lines = footing_lines([run], {"fa": data}, rules)
     verdict = lines[-1]
-    equal = rule_first(data, rules.equal, 500)
+    equal = logit_rule_after(data, rules.equal, 500)
     first = "mechmon first" if equal is None or 580 <= equal else "the rule first"
     assert verdict.startswith(f"fa seed 1: {first}")
