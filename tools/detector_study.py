@@ -6,6 +6,7 @@
     python tools/detector_study.py analyze --out /tmp/ds --records docs/data/detector_study  # no training
     python tools/detector_study.py run --plan frontier-mla --out runs/frontier_mla --jobs 2
     python tools/detector_study.py run --plan early-phase --out runs/early_phase --jobs 2  # held out
+    python tools/detector_study.py run --plan early-phase-lr --out runs/early_phase_lr --jobs 2
 
 ``run`` trains (or resumes) every run of ``mechmon_megatron.research.study.long_plan``; launch it again
 after an interruption and it continues from the checkpoints. See docs/RESULTS.md.
@@ -21,16 +22,22 @@ import sys
 from typing import Optional
 
 from mechmon_megatron.research.study.campaign import launch_campaign
-from mechmon_megatron.research.study.early_phase_plan import plan_early_phase_campaign, write_provisional_calibration
+from mechmon_megatron.research.study.early_phase_plan import (
+    plan_early_phase_campaign,
+    plan_learning_rate_campaign,
+    write_provisional_calibration,
+)
 from mechmon_megatron.research.study.frontier_plan import FRONTIER_VARIANTS, plan_frontier_campaign
 from mechmon_megatron.research.study.long_plan import CampaignRun, plan_campaign
 
-PLANS = ("study", *(f"frontier-{v}" for v in FRONTIER_VARIANTS), "early-phase")
+PLANS = ("study", *(f"frontier-{v}" for v in FRONTIER_VARIANTS), "early-phase", "early-phase-lr")
 
 
 def _plan(name: str, out: str) -> list[CampaignRun]:
     if name == "early-phase":
         return plan_early_phase_campaign(write_provisional_calibration(out))
+    if name == "early-phase-lr":
+        return plan_learning_rate_campaign(write_provisional_calibration(out))
     if name.startswith("frontier-"):
         return plan_frontier_campaign(name.removeprefix("frontier-"))
     return plan_campaign()
@@ -58,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--plan", choices=PLANS, default="study",
                      help="study: the detector study (long_plan); frontier-mla / frontier-qknorm: its grid on "
                      "multi-head latent attention / QK-norm (frontier_plan); early-phase: the held-out runs of "
-                     "the early-phase study (early_phase_plan, docs/METHOD.md section 8c).")
+                     "the early-phase study (early_phase_plan, docs/METHOD.md section 8c); early-phase-lr: its second "
+                     "held-out set, learning-rate faults on seeds 22-27.")
     analyze = sub.add_parser("analyze", help="Calibrate the detector and compare rules at equal false-alarm rate.")
     analyze.add_argument("--out", required=True, help="Campaign directory (outputs go to OUT/analysis).")
     analyze.add_argument("--records", default=None,

@@ -18,6 +18,10 @@ reaches the fault forks first:
 4. their FA forks (as in 2), then the 8-ulp fault at onset 500 on seeds 16-18;
 5. router-only 15x and whole-model 4x learning-rate faults, seeds 16-18 (1,500 steps from step 1).
 
+:func:`plan_learning_rate_campaign` is the second held-out set (``--plan early-phase-lr``): the
+same two learning-rate faults on new seeds 22-27, for the design that keys the phase moments by
+the peak learning rate (docs/METHOD.md section 8c, second amendment).
+
 Pure Python: no torch import.
 """
 
@@ -48,6 +52,8 @@ LONG_SEEDS = (16, 17, 18)
 STRENGTHS = (32.0, 16.0)
 S8_STRENGTH, S8_ONSET = 8.0, 500
 LR_SCENARIOS = ("moe-router-lr", "moe-lr")
+LR_HELD_OUT_SEEDS = (22, 23, 24, 25, 26, 27)
+"""Seeds of the second held-out set: learning-rate faults only, never trained before it was written."""
 PROVISIONAL_CALIBRATION = "provisional_null_tails.json"
 
 
@@ -93,13 +99,6 @@ def plan_early_phase_campaign(calibration_path: str, preset: Optional[Preset] = 
             fork_at=onset - delta, stop_after_divergence=STOP_AFTER_DIVERGENCE, save_interval=FAULT_SAVE_INTERVAL,
         )
 
-    def lr_fault(scenario: str, seed: int) -> CampaignRun:
-        return CampaignRun(
-            run_id=f"{scenario}-seed{seed}", kind="fault", scenario=scenario, seed=seed, train_iters=LR_FAULT_ITERS,
-            flags=_flags(preset, scenario, seed, LR_FAULT_ITERS, recording), fault_onset=1, fault_family="router",
-            save_interval=FAULT_SAVE_INTERVAL,
-        )
-
     parents = {seed: healthy(seed, max(fork_points)) for seed in PREFIX_SEEDS}
     parents.update({seed: healthy(seed, HEALTHY_ITERS) for seed in LONG_SEEDS})
     runs = [parents[s] for s in PREFIX_SEEDS]
@@ -109,5 +108,22 @@ def plan_early_phase_campaign(calibration_path: str, preset: Optional[Preset] = 
     for onset in FA_ONSETS:
         runs += [fault(parents[s], strength, onset) for s in LONG_SEEDS for strength in STRENGTHS]
     runs += [fault(parents[s], S8_STRENGTH, S8_ONSET) for s in LONG_SEEDS]
-    runs += [lr_fault(scenario, s) for s in LONG_SEEDS for scenario in LR_SCENARIOS]
+    runs += [_lr_fault(preset, scenario, s, recording) for s in LONG_SEEDS for scenario in LR_SCENARIOS]
     return runs
+
+
+def plan_learning_rate_campaign(calibration_path: str, preset: Optional[Preset] = None) -> list[CampaignRun]:
+    """The second held-out set: router-only 15x and whole-model 4x learning-rate faults on seeds
+    :data:`LR_HELD_OUT_SEEDS`, recorded as the first set's (``calibration_path`` as there)."""
+    preset = preset or long_preset()
+    recording = ("--mechmon-short-window", "--mechmon-detector-calibration", calibration_path)
+    return [_lr_fault(preset, scenario, s, recording) for s in LR_HELD_OUT_SEEDS for scenario in LR_SCENARIOS]
+
+
+def _lr_fault(preset: Preset, scenario: str, seed: int, recording: tuple[str, ...]) -> CampaignRun:
+    """One learning-rate fault from step 1: 1,500 steps, recorded at interval 20 and delta 100."""
+    return CampaignRun(
+        run_id=f"{scenario}-seed{seed}", kind="fault", scenario=scenario, seed=seed, train_iters=LR_FAULT_ITERS,
+        flags=_flags(preset, scenario, seed, LR_FAULT_ITERS, recording), fault_onset=1, fault_family="router",
+        save_interval=FAULT_SAVE_INTERVAL,
+    )

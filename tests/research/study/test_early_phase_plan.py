@@ -7,8 +7,11 @@ import json
 
 from mechmon_megatron.research.study.early_phase_plan import (
     LONG_SEEDS,
+    LR_HELD_OUT_SEEDS,
+    LR_SCENARIOS,
     PREFIX_SEEDS,
     plan_early_phase_campaign,
+    plan_learning_rate_campaign,
     write_provisional_calibration,
 )
 
@@ -49,3 +52,15 @@ def test_the_provisional_calibration_says_it_is_no_measurement(tmp_path):
     data = json.loads(open(path, encoding="utf-8").read())
     assert data["source"].startswith("PROVISIONAL")
     assert all("attn_delta2_short" in tails for tails in data["tails"].values())
+
+
+def test_the_second_held_out_set_is_new_seeds_of_both_learning_rate_faults(tmp_path):
+    first = plan_early_phase_campaign(write_provisional_calibration(str(tmp_path)))
+    second = plan_learning_rate_campaign(write_provisional_calibration(str(tmp_path)))
+    assert {(r.scenario, r.seed) for r in second} == {(sc, s) for sc in LR_SCENARIOS for s in LR_HELD_OUT_SEEDS}
+    assert not {r.seed for r in second} & (DESIGN_SEEDS | {r.seed for r in first})
+    same_recipe = {r.scenario: r for r in first if r.fault_family == "router"}
+    for run in second:  # the first set's recording, only the seed differs
+        twin = same_recipe[run.scenario]
+        assert run.train_iters == twin.train_iters and run.fault_onset == twin.fault_onset == 1
+        assert [f for f in run.flags if f != str(run.seed)] == [f for f in twin.flags if f != str(twin.seed)]
