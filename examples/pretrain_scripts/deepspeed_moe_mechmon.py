@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # reads ds_config["mechmon"]; the schedule is lr_lambda's (the early-phase correction compares it)
     mechmon = mechmon_ds.attach(engine, client_state_fn=client_state,
-                                lr_schedule=mechmon_ds.TrainingSchedule(args.lr_warmup_iters, "cosine"))
+                                lr_schedule=mechmon_ds.TrainingSchedule(args.lr_warmup_iters, "cosine", args.lr))
 
     if args.load:
         # restores the mechmon detector state too

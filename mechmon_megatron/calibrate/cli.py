@@ -43,8 +43,8 @@ starts gives one run each (#runK in the names); a resume continues its run.
 
 The runs are replayed without alarms, the CUSUM values of every test are collected and their
 exponential tails fitted, and so are the per-check pooled residuals (the `shewhart` section that
---mechmon-detector-shewhart needs). With the runs' learning-rate schedule (--lr-warmup-iters and
---lr-decay-style, as the runs were launched), the phase moments of young baselines are measured
+--mechmon-detector-shewhart needs). With the runs' learning-rate schedule (--lr-warmup-iters,
+--lr-decay-style and --lr, as the runs were launched), the phase moments of young baselines are measured
 first (the `phase` section: the early-phase correction of jobs with that schedule) and the tails
 are fitted on replays that apply them; without it the file has no `phase` section and jobs that
 use it judge young baselines uncorrected. Use the file with --mechmon-detector-calibration FILE

@@ -22,12 +22,13 @@ extrapolated. A grown baseline is never corrected: its residual follows the null
 fitted on.
 
 The moments hold for what they were measured on: the check interval and window (``delta``),
-which set how long a baseline stays young; the learning-rate warm-up and decay style, which set
-the phase; and the kind of attention (``standard`` or ``mla``: multi-head latent attention's
-Delta2 is its content part, whose early rise differs; the shipped moments, from a grouped-query
-model, raised false alarms on healthy MLA runs). :func:`select_phase_table` picks the table of a
-calibration file that matches a job and says, in one line, why the correction is off when none
-does.
+which set how long a baseline stays young; the learning-rate warm-up, decay style and peak
+learning rate, which set the phase and how fast the weights move in it (the shipped moments, at
+peak 2e-3, added attention alarms to runs at 8e-3); and the kind of attention (``standard`` or
+``mla``: multi-head latent attention's Delta2 is its content part, whose early rise differs; the
+shipped moments, from a grouped-query model, raised false alarms on healthy MLA runs).
+:func:`select_phase_table` picks the table of a calibration file that matches a job and says, in
+one line, why the correction is off when none does.
 
 Pure Python, standard library only.
 """
@@ -70,9 +71,21 @@ class TrainingSchedule:
     """Steps of linear learning-rate warm-up (Megatron's ``--lr-warmup-iters``)."""
     lr_decay_style: str
     """The decay after the warm-up (Megatron's ``--lr-decay-style``: ``cosine``, ``linear``, ``WSD``, ...)."""
+    peak_lr: Optional[float] = None
+    """Peak learning rate (Megatron's ``--lr``); None: not known (a job) or not recorded (a table
+    of a file written before tables recorded it). None never matches."""
+
+    def matches(self, job: TrainingSchedule) -> bool:
+        """Whether phase moments measured with this schedule hold for ``job``: the same warm-up and
+        decay style and the same, known, peak learning rate (equal to 1e-9 relative: a flag's
+        float written and read back)."""
+        return (self.lr_warmup_steps == job.lr_warmup_steps and self.lr_decay_style == job.lr_decay_style
+                and self.peak_lr is not None and job.peak_lr is not None
+                and math.isclose(self.peak_lr, job.peak_lr, rel_tol=1e-9))
 
     def describe(self) -> str:
-        return f"{self.lr_warmup_steps}-step warm-up, {self.lr_decay_style} decay"
+        peak = "peak learning rate unknown" if self.peak_lr is None else f"peak learning rate {self.peak_lr:g}"
+        return f"{self.lr_warmup_steps}-step warm-up, {self.lr_decay_style} decay, {peak}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +137,7 @@ class PhaseTable:
             "delta": self.delta,
             "lr_warmup_steps": self.schedule.lr_warmup_steps,
             "lr_decay_style": self.schedule.lr_decay_style,
+            "peak_lr": self.schedule.peak_lr,
             "bin_steps": self.bin_steps,
             "attention": self.attention,
             "families": {f: [[b.start, b.centre, b.scale, b.samples] for b in bins]
@@ -145,6 +159,10 @@ class PhaseTable:
         style = data.get("lr_decay_style")
         if not isinstance(style, str) or not style:
             raise ValueError(f"{where}.lr_decay_style must be a non-empty string, got {style!r}")
+        peak_lr = data.get("peak_lr")  # absent in a file of the first design: never matches a job
+        if peak_lr is not None and (isinstance(peak_lr, bool) or not isinstance(peak_lr, (int, float))
+                                    or not math.isfinite(peak_lr) or peak_lr <= 0):
+            raise ValueError(f"{where}.peak_lr must be a finite number > 0 or null, got {peak_lr!r}")
         families = data.get("families")
         if not isinstance(families, Mapping):
             raise ValueError(f"{where}.families must be an object {{family: [[start, centre, scale, samples], ...]}}")
@@ -164,7 +182,8 @@ class PhaseTable:
                 raise ValueError(f"{where}.families[{family!r}]: bin starts must increase")
             checked[str(family)] = bins
         return cls(interval=integer("interval", 1), delta=integer("delta", 1),
-                   schedule=TrainingSchedule(integer("lr_warmup_steps", 0), style),
+                   schedule=TrainingSchedule(integer("lr_warmup_steps", 0), style,
+                                             None if peak_lr is None else float(peak_lr)),
                    bin_steps=bin_steps, families=checked, attention=attention)
 
 
@@ -248,16 +267,23 @@ def select_phase_table(
         return None, ("the job's learning-rate schedule is unknown to mechmon: the early-phase correction "
                       f"(measured with a {at_schedule[0].schedule.describe()}) is off")
     for table in at_schedule:
-        if table.schedule == schedule and table.attention == attention:
+        if table.schedule.matches(schedule) and table.attention == attention:
             return table, (f"early-phase correction on: young baselines of steps 0-{table.covered_until()} are "
                            f"standardised by the healthy null of their {table.bin_steps}-step phase "
                            f"(measured with a {schedule.describe()}, {attention} attention)")
-    kinds = sorted({t.attention for t in at_schedule if t.schedule == schedule})
+    kinds = sorted({t.attention for t in at_schedule if t.schedule.matches(schedule)})
     if kinds:
         return None, (f"the phase moments were measured on {', '.join(kinds)} attention, this job has {attention} "
                       "attention: the early-phase correction is off (refit with mechmon-calibrate on healthy runs "
                       "of this model)")
     measured = "; ".join(t.schedule.describe() for t in at_schedule)
+    if all(t.schedule.peak_lr is None for t in at_schedule):
+        why = "a file written before phase tables recorded it; refit with mechmon-calibrate --lr"
+        return None, (f"the phase moments do not record their peak learning rate ({why}): the early-phase "
+                      f"correction is off (measured with a {measured}; this job has a {schedule.describe()})")
+    if schedule.peak_lr is None:
+        return None, ("the job's peak learning rate is unknown to mechmon: the early-phase correction "
+                      f"(measured with a {measured}) is off")
     return None, (f"the phase moments were measured with a {measured}, this job has a {schedule.describe()}: "
                   "the early-phase correction is off (refit with mechmon-calibrate on healthy runs of this "
                   "schedule)")

@@ -39,7 +39,7 @@ def test_the_fold_fitted_on_the_calibration_seeds_replays_as_the_shipped_detecto
     ticks: list[int] = []
     # The shipped calibration's schedule: its phase moments are fitted per fold, as mechmon-calibrate does.
     held = leave_one_run_out([load_checks(_path(r)) for r in SEEDS], list(SEEDS), 20, 100,
-                             on_replay=lambda: ticks.append(1), schedule=TrainingSchedule(100, "cosine"))
+                             on_replay=lambda: ticks.append(1), schedule=TrainingSchedule(100, "cosine", 2e-3))
     assert len(ticks) == replays_needed(len(SEEDS), 20, 100, phase=True) == 18  # the progress bar's total
     assert [(h.run, h.interval, h.overlap) for h in held] == [(r, i, o) for i, o in ((20, 5), (100, 1)) for r in SEEDS]
     for h in (h for h in held if h.run == "healthy-cosine-seed3"):
@@ -55,7 +55,7 @@ def test_the_fold_fitted_on_the_calibration_seeds_replays_as_the_shipped_detecto
 def test_the_calibration_of_seeds_1_and_2_is_the_shipped_table_byte_for_byte(tmp_path, capsys):
     out = tmp_path / "tails.json"
     assert main([_path(SEEDS[0]), _path(SEEDS[1]), "--interval", "20", "--delta", "100", "--out", str(out),
-                 "--lr-warmup-iters", "100", "--lr-decay-style", "cosine"]) == 0
+                 "--lr-warmup-iters", "100", "--lr-decay-style", "cosine", "--lr", "2e-3"]) == 0
     shipped = os.path.join(ROOT, "mechmon_megatron", "detect", "null_tails.json")
     with open(shipped, "rb") as f:
         assert out.read_bytes() == f.read()

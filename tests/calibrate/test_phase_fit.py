@@ -1,8 +1,9 @@
 """``mechmon-calibrate``'s phase moments: the learning-rate schedule flags and what they fit.
 
-* ``--lr-warmup-iters`` / ``--lr-decay-style``: both or neither (one alone, a negative warm-up or
-  a blank style exits 2 with one line naming the flags, and nothing is written);
-* with both, on synthetic healthy runs, the file has a ``phase`` table per schedule it serves, with
+* ``--lr-warmup-iters`` / ``--lr-decay-style`` / ``--lr``: all three or none (some without the
+  others, a negative warm-up, a blank style or a peak learning rate <= 0 exits 2 with one line
+  naming the flags, and nothing is written);
+* with them, on synthetic healthy runs, the file has a ``phase`` table per schedule it serves, with
   the given learning-rate schedule and exactly the moments of the runs' young residuals; without
   them it has no ``phase`` key;
 * ``leave_one_run_out(..., schedule=)`` makes ``replays_needed(n, interval, delta, phase=True)``
@@ -54,8 +55,10 @@ def _refused(argv, capsys, out) -> str:
 
 
 @pytest.mark.parametrize("flags,given,missing", [
-    (["--lr-warmup-iters", "100"], "--lr-warmup-iters", "--lr-decay-style"),
-    (["--lr-decay-style", "cosine"], "--lr-decay-style", "--lr-warmup-iters"),
+    (["--lr-warmup-iters", "100"], "--lr-warmup-iters", "--lr-decay-style and --lr"),
+    (["--lr-decay-style", "cosine"], "--lr-decay-style", "--lr-warmup-iters and --lr"),
+    (["--lr", "2e-3"], "--lr", "--lr-warmup-iters and --lr-decay-style"),
+    (["--lr-warmup-iters", "100", "--lr-decay-style", "cosine"], "--lr-warmup-iters and --lr-decay-style", "--lr"),
 ])
 def test_one_schedule_flag_alone_is_refused(tmp_path, capsys, flags, given, missing):
     paths = _write_runs(tmp_path, (1, 2))
@@ -68,15 +71,24 @@ def test_a_negative_warm_up_is_refused(tmp_path, capsys):
     paths = _write_runs(tmp_path, (1, 2))
     out = tmp_path / "tails.json"
     line = _refused([*paths, "--interval", "20", "--delta", "100", "--out", str(out),
-                     "--lr-warmup-iters", "-5", "--lr-decay-style", "cosine"], capsys, out)
+                     "--lr-warmup-iters", "-5", "--lr-decay-style", "cosine", "--lr", "2e-3"], capsys, out)
     assert "--lr-warmup-iters must be >= 0" in line and "-5" in line
+
+
+@pytest.mark.parametrize("peak", ["0", "-0.001", "nan", "inf"])
+def test_a_peak_learning_rate_not_above_zero_is_refused(tmp_path, capsys, peak):
+    paths = _write_runs(tmp_path, (1, 2))
+    out = tmp_path / "tails.json"
+    line = _refused([*paths, "--interval", "20", "--delta", "100", "--out", str(out),
+                     "--lr-warmup-iters", "100", "--lr-decay-style", "cosine", "--lr", peak], capsys, out)
+    assert "--lr must be a finite number > 0" in line
 
 
 def test_a_blank_decay_style_is_refused(tmp_path, capsys):
     paths = _write_runs(tmp_path, (1, 2))
     out = tmp_path / "tails.json"
     line = _refused([*paths, "--interval", "20", "--delta", "100", "--out", str(out),
-                     "--lr-warmup-iters", "100", "--lr-decay-style", " "], capsys, out)
+                     "--lr-warmup-iters", "100", "--lr-decay-style", " ", "--lr", "2e-3"], capsys, out)
     assert "--lr-decay-style" in line
 
 
@@ -86,15 +98,15 @@ def test_with_the_schedule_the_file_has_the_phase_moments_of_the_recorded_schedu
     seeds = (1, 2, 3, 4)
     paths = _write_runs(tmp_path, seeds)
     out = tmp_path / "tails.json"
-    schedule = TrainingSchedule(250, "WSD")
+    schedule = TrainingSchedule(250, "WSD", 2e-3)
     assert main([*paths, "--interval", "20", "--delta", "100", "--out", str(out),
-                 "--lr-warmup-iters", "250", "--lr-decay-style", "WSD"]) == 0
+                 "--lr-warmup-iters", "250", "--lr-decay-style", "WSD", "--lr", "2e-3"]) == 0
     result = json.loads(capsys.readouterr().out)
     data = json.loads(out.read_text())
-    assert "250-step warm-up, WSD decay" in data["source"]
+    assert "250-step warm-up, WSD decay, peak learning rate 0.002" in data["source"]
     phase = data["phase"]
     assert [(p["interval"], p["delta"], p["attention"]) for p in phase] == [(20, 100, "standard")]
-    assert all((p["lr_warmup_steps"], p["lr_decay_style"]) == (250, "WSD") for p in phase)
+    assert all((p["lr_warmup_steps"], p["lr_decay_style"], p["peak_lr"]) == (250, "WSD", 2e-3) for p in phase)
     table = TailTable.from_dict(data)
     series = _series(seeds)
     assert len(table.phase) == 1
@@ -127,12 +139,12 @@ def test_the_moments_change_the_fitted_tails(tmp_path, capsys):
     plain, corrected = tmp_path / "plain.json", tmp_path / "corrected.json"
     assert main([*paths, "--interval", "20", "--delta", "100", "--out", str(plain)]) == 0
     assert main([*paths, "--interval", "20", "--delta", "100", "--out", str(corrected),
-                 "--lr-warmup-iters", "100", "--lr-decay-style", "cosine"]) == 0
+                 "--lr-warmup-iters", "100", "--lr-decay-style", "cosine", "--lr", "2e-3"]) == 0
     capsys.readouterr()
     a, b = json.loads(plain.read_text()), json.loads(corrected.read_text())
     assert a["tails"]["5"] != b["tails"]["5"]
     assert a["tails"]["1"] == b["tails"]["1"]  # interval 100: no phase moments, the same fit
-    assert [PhaseTable.from_dict(p).schedule for p in b["phase"]] == [TrainingSchedule(100, "cosine")]
+    assert [PhaseTable.from_dict(p).schedule for p in b["phase"]] == [TrainingSchedule(100, "cosine", 2e-3)]
 
 
 @pytest.mark.parametrize("interval,delta", [(20, 100), (100, 100)])
@@ -141,7 +153,7 @@ def test_leave_one_out_makes_the_replays_it_announces(interval, delta, phase):
     series = _series((1, 2, 3), interval)
     ticks: list[int] = []
     held = leave_one_run_out(series, ["a", "b", "c"], interval, delta, on_replay=lambda: ticks.append(1),
-                             schedule=TrainingSchedule(100, "cosine") if phase else None)
+                             schedule=TrainingSchedule(100, "cosine", 2e-3) if phase else None)
     assert len(ticks) == replays_needed(3, interval, delta, phase=phase)
     # The recorded schedule's folds refit their phase moments: 3 + 3 x 2 + 3 replays instead of 2 x 3.
     assert len(ticks) == 2 * 3 * len(schedules(interval, delta)) + (3 * 2 if phase else 0)

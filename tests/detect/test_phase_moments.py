@@ -33,7 +33,7 @@ from mechmon_megatron.detect.phase_moments import (
     select_phase_table,
 )
 
-COSINE = TrainingSchedule(100, "cosine")
+COSINE = TrainingSchedule(100, "cosine", 2e-3)
 
 
 def _brute_force(pairs, bin_steps, min_samples):
@@ -163,7 +163,7 @@ def test_covered_until():
 
 
 def test_round_trip_through_json():
-    table = _table(TrainingSchedule(250, "WSD"), interval=50, delta=200)
+    table = _table(TrainingSchedule(250, "WSD", 2e-3), interval=50, delta=200)
     data = json.loads(json.dumps(table.to_dict()))
     assert data["lr_warmup_steps"] == 250 and data["lr_decay_style"] == "WSD"
     assert data["families"]["attn_delta2"] == [[100, -1.5, 2.0, 40], [300, 0.5, 0.25, 40]]
@@ -259,7 +259,7 @@ def test_from_dict_refuses_a_non_object(data):
 
 
 def test_phase_tables_from_list():
-    a, b = _table(), _table(TrainingSchedule(100, "linear"))
+    a, b = _table(), _table(TrainingSchedule(100, "linear", 2e-3))
     c = _table(interval=100)
     assert phase_tables_from_list([a.to_dict(), b.to_dict(), c.to_dict()]) == (a, b, c)
     assert phase_tables_from_list([]) == ()
@@ -307,7 +307,7 @@ def test_select_with_an_unknown_schedule_is_off():
     assert "100-step warm-up, cosine decay" in line  # what it was measured with
 
 
-@pytest.mark.parametrize("job", [TrainingSchedule(200, "cosine"), TrainingSchedule(100, "linear")])
+@pytest.mark.parametrize("job", [TrainingSchedule(200, "cosine", 2e-3), TrainingSchedule(100, "linear", 2e-3)])
 def test_select_with_another_schedule_is_off_and_names_both(job):
     table, line = select_phase_table((_table(),), 20, 100, job)
     assert table is None
@@ -317,10 +317,10 @@ def test_select_with_another_schedule_is_off_and_names_both(job):
 
 
 def test_select_a_match_is_on_and_names_the_steps_covered():
-    cosine, linear = _table(), _table(TrainingSchedule(100, "linear"))
+    cosine, linear = _table(), _table(TrainingSchedule(100, "linear", 2e-3))
     longer = PhaseTable(100, 100, COSINE, 200, {"attn_delta2": (PhaseBin(4000, 0.0, 1.0, 30),)})
     tables = (cosine, linear, longer)
-    table, line = select_phase_table(tables, 20, 100, TrainingSchedule(100, "linear"))
+    table, line = select_phase_table(tables, 20, 100, TrainingSchedule(100, "linear", 2e-3))
     assert table is linear
     assert line.startswith("early-phase correction on")
     assert "steps 0-600" in line and "100-step phase" in line and "100-step warm-up, linear decay" in line
@@ -355,7 +355,7 @@ def test_the_shipped_file_is_written_back_byte_for_byte():
 
 
 def test_a_table_with_phase_moments_round_trips():
-    phase = (_table(), _table(TrainingSchedule(100, "linear")))
+    phase = (_table(), _table(TrainingSchedule(100, "linear", 2e-3)))
     table = TailTable(tails={5: {"attn_delta2": {"layer": _tail()}}}, source="new", phase=phase)
     data = json.loads(json.dumps(table.to_dict()))
     assert data["phase"] == [t.to_dict() for t in phase]
@@ -387,27 +387,27 @@ def test_a_duplicate_phase_table_is_refused_by_the_tail_table():
 def test_the_shipped_table_corrects_interval_20_only_and_standard_attention_only():
     interval = 20
     shipped = load_tail_table()
-    off, why = select_phase_table(shipped.phase, 100, 100, TrainingSchedule(100, "cosine"))
+    off, why = select_phase_table(shipped.phase, 100, 100, TrainingSchedule(100, "cosine", 2e-3))
     assert off is None
     assert why.startswith("no phase moments for interval 100 delta 100 (measured: interval 20 delta 100")
-    off, why = select_phase_table(shipped.phase, 20, 100, TrainingSchedule(100, "cosine"), "mla")
+    off, why = select_phase_table(shipped.phase, 20, 100, TrainingSchedule(100, "cosine", 2e-3), "mla")
     assert off is None and why.startswith("the phase moments were measured on standard attention, this job has mla")
-    table, line = select_phase_table(shipped.phase, interval, 100, TrainingSchedule(100, "cosine"))
+    table, line = select_phase_table(shipped.phase, interval, 100, TrainingSchedule(100, "cosine", 2e-3))
     assert table is not None, line
-    assert (table.interval, table.delta, table.schedule) == (interval, 100, TrainingSchedule(100, "cosine"))
+    assert (table.interval, table.delta, table.schedule) == (interval, 100, TrainingSchedule(100, "cosine", 2e-3))
     assert line.startswith("early-phase correction on")
     for family in ("attn_delta2", "attn_dw"):
         bins = table.families[family]
         assert bins and all(b.scale > 0 and b.samples >= MIN_BIN_SAMPLES for b in bins)
     assert table.covered_until() > 0
-    assert select_phase_table(shipped.phase, interval, 100, TrainingSchedule(2000, "cosine"))[0] is None
+    assert select_phase_table(shipped.phase, interval, 100, TrainingSchedule(2000, "cosine", 2e-3))[0] is None
 
 
 def test_a_table_without_bins_is_not_selected():
     """A calibration whose runs were too short for any bin at a schedule has an empty table there:
     the job is told the correction is off, not that it covers steps 0-0."""
-    empty = PhaseTable(100, 100, TrainingSchedule(100, "cosine"), 200, {"attn_delta2": (), "attn_dw": ()})
-    table, line = select_phase_table((empty,), 100, 100, TrainingSchedule(100, "cosine"))
+    empty = PhaseTable(100, 100, TrainingSchedule(100, "cosine", 2e-3), 200, {"attn_delta2": (), "attn_dw": ()})
+    table, line = select_phase_table((empty,), 100, 100, TrainingSchedule(100, "cosine", 2e-3))
     assert table is None and "no phase moments for interval 100 delta 100" in line and "without bins" in line
 
 
@@ -416,3 +416,55 @@ def test_an_unknown_family_is_refused():
             "families": {"not_a_family": [[0, 0.0, 1.0, 30]]}}
     with pytest.raises(ValueError, match="unknown family 'not_a_family'"):
         PhaseTable.from_dict(data)
+
+
+# ---------------------------------------------------------------- the peak learning rate in the key
+
+
+def test_a_schedule_matches_only_the_same_known_peak_learning_rate():
+    assert COSINE.matches(TrainingSchedule(100, "cosine", float("0.002")))  # a flag written and read back
+    assert COSINE.matches(TrainingSchedule(100, "cosine", 2e-3 * (1 + 1e-12)))
+    for job in (TrainingSchedule(100, "cosine", 8e-3), TrainingSchedule(100, "cosine", 2.1e-3),
+                TrainingSchedule(100, "cosine"), TrainingSchedule(100, "linear", 2e-3),
+                TrainingSchedule(200, "cosine", 2e-3)):
+        assert not COSINE.matches(job), job
+    unrecorded = TrainingSchedule(100, "cosine")  # a table of the first design: nothing matches it
+    assert not unrecorded.matches(TrainingSchedule(100, "cosine")) and not unrecorded.matches(COSINE)
+
+
+def test_select_with_another_peak_learning_rate_is_off_and_names_both():
+    table, line = select_phase_table((_table(),), 20, 100, TrainingSchedule(100, "cosine", 8e-3))
+    assert table is None and "correction is off" in line
+    assert "measured with a 100-step warm-up, cosine decay, peak learning rate 0.002" in line
+    assert "this job has a 100-step warm-up, cosine decay, peak learning rate 0.008" in line
+
+
+def test_select_with_an_unknown_peak_learning_rate_is_off():
+    table, line = select_phase_table((_table(),), 20, 100, TrainingSchedule(100, "cosine"))
+    assert table is None
+    assert line.startswith("the job's peak learning rate is unknown to mechmon: the early-phase correction")
+
+
+def test_a_table_without_a_peak_learning_rate_loads_and_is_never_selected():
+    data = _table().to_dict()
+    del data["peak_lr"]
+    old = PhaseTable.from_dict(data)
+    assert old.schedule == TrainingSchedule(100, "cosine") and old.to_dict()["peak_lr"] is None
+    table, line = select_phase_table((old,), 20, 100, COSINE)
+    assert table is None
+    assert line.startswith("the phase moments do not record their peak learning rate")
+    assert "refit with mechmon-calibrate --lr" in line
+
+
+@pytest.mark.parametrize("peak", [0, -2e-3, "2e-3", True, float("nan"), float("inf")])
+def test_a_bad_peak_learning_rate_is_refused(peak):
+    data = _table().to_dict()
+    data["peak_lr"] = peak
+    with pytest.raises(ValueError, match=r"^phase\.peak_lr must be a finite number > 0 or null"):
+        PhaseTable.from_dict(data)
+
+
+def test_the_shipped_table_holds_for_the_calibration_runs_peak_learning_rate_only():
+    shipped = load_tail_table()
+    assert select_phase_table(shipped.phase, 20, 100, TrainingSchedule(100, "cosine", 2e-3))[0] is not None
+    assert select_phase_table(shipped.phase, 20, 100, TrainingSchedule(100, "cosine", 8e-3))[0] is None

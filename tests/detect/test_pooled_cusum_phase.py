@@ -44,7 +44,7 @@ def _phase(families=("attn_delta2", "attn_dw", "router_entropy"), centre=CENTRE,
     which differ per bin (so that a wrong bin shows)."""
     starts = [s for s in range(0, last, BIN) if s not in GAP]
     return PhaseTable(
-        interval=INTERVAL, delta=100, schedule=TrainingSchedule(100, "cosine"), bin_steps=BIN,
+        interval=INTERVAL, delta=100, schedule=TrainingSchedule(100, "cosine", 2e-3), bin_steps=BIN,
         families={f: tuple(PhaseBin(s, centre[f] + s / 1000, scale[f] * (1 + s / 500), 40) for s in starts)
                   for f in families},
     )
@@ -123,7 +123,7 @@ def _residuals(result):
 def test_first_young_check_is_standardised_by_its_bin_by_hand():
     """Warm-up at 1.0: the baseline is 1.0 with the scale floor 0.01, so 0.97 has z = 3 exactly;
     the bin's moments (c = 1, s = 0.5) make it (3 - 1) / 0.5 = 4."""
-    phase = PhaseTable(INTERVAL, 100, TrainingSchedule(100, "cosine"), 100,
+    phase = PhaseTable(INTERVAL, 100, TrainingSchedule(100, "cosine", 2e-3), 100,
                        {"attn_delta2": (PhaseBin(0, 1.0, 0.5, 40),)})
     plain = PooledCusumDetector(_thresholds(), CFG)
     corrected = PooledCusumDetector(_thresholds(), CFG, phase=phase)
@@ -239,7 +239,7 @@ def test_phase_none_is_the_detector_without_the_correction():
                           {f: tuple(PhaseBin(b.start, 0.0, 1.0, b.samples) for b in bins)
                            for f, bins in identity.families.items()})
     assert _run(PooledCusumDetector(thresholds, CFG, phase=identity), checks) == old
-    empty = PhaseTable(INTERVAL, 100, TrainingSchedule(100, "cosine"), BIN, {"attn_delta2": (), "attn_dw": ()})
+    empty = PhaseTable(INTERVAL, 100, TrainingSchedule(100, "cosine", 2e-3), BIN, {"attn_delta2": (), "attn_dw": ()})
     assert _run(PooledCusumDetector(thresholds, CFG, phase=empty), checks) == old
     # ... and real moments change them (the comparison above can fail).
     assert _run(PooledCusumDetector(thresholds, CFG, phase=_phase()), checks) != old
@@ -307,7 +307,7 @@ def test_state_round_trip_continues_identically(cut):
 
 def test_residual_is_clipped_after_the_correction():
     """A small z standardised by a tiny scale is clipped at ``clip``, as an uncorrected one is."""
-    phase = PhaseTable(INTERVAL, 100, TrainingSchedule(100, "cosine"), 100,
+    phase = PhaseTable(INTERVAL, 100, TrainingSchedule(100, "cosine", 2e-3), 100,
                        {"attn_delta2": (PhaseBin(0, -1.0, 0.01, 40),)})
     detector = PooledCusumDetector(_thresholds(), CFG, phase=phase)
     for step in (10, 20, 30):

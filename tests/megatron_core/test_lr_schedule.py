@@ -3,7 +3,8 @@
 Megatron's argument names on a ``types.SimpleNamespace`` (no torch or megatron needed by the
 function itself): an iteration-based warm-up, ``--lr-warmup-fraction`` of ``--lr-decay-iters`` (or
 of ``--train-iters`` when the decay iterations are not set), a sample-based schedule
-(``--train-samples``) and a job without ``--lr-decay-style`` (None: the correction is off).
+(``--train-samples``) and a job without ``--lr-decay-style`` (None: the correction is off); the
+peak learning rate ``--lr`` (None where it is not set).
 """
 
 from __future__ import annotations
@@ -29,6 +30,14 @@ def _args(**change):
 @pytest.mark.parametrize("warmup,style", [(100, "cosine"), (0, "linear"), (2000, "WSD"), (1, "inverse-square-root")])
 def test_iteration_based_warm_up(warmup, style):
     assert schedule_of_args(_args(lr_warmup_iters=warmup, lr_decay_style=style)) == TrainingSchedule(warmup, style)
+
+
+@pytest.mark.parametrize("lr,peak", [(2e-3, 2e-3), (3, 3.0), (None, None), (0.0, None), (-1e-3, None)])
+def test_the_peak_learning_rate_is_megatrons_lr(lr, peak):
+    got = schedule_of_args(_args(lr=lr, lr_warmup_iters=100, lr_decay_style="cosine"))
+    assert got == TrainingSchedule(100, "cosine", peak) and (peak is None or isinstance(got.peak_lr, float))
+    fraction = schedule_of_args(_args(lr=lr, lr_warmup_fraction=0.01, lr_decay_iters=5000))
+    assert fraction == TrainingSchedule(50, "linear", peak)
 
 
 def test_a_warm_up_fraction_counts_of_the_decay_iterations():

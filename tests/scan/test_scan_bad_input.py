@@ -156,15 +156,16 @@ def test_one_schedule_flag_alone_is_refused_naming_both(series, tmp_path, capsys
     out = tmp_path / "scan"
     assert scan(str(series), "--out", str(out), "--lr-warmup-iters", "100") == 2
     line = error_line(capsys)
-    assert line == ("mechmon-scan: error: --lr-warmup-iters needs --lr-decay-style too (the phase moments hold for one "
-                    "schedule)")
+    assert line == ("mechmon-scan: error: --lr-warmup-iters needs --lr-decay-style and --lr too (the phase moments "
+                    "hold for one schedule)")
     assert not out.exists()
 
 
 @pytest.mark.parametrize(("flags", "phrase"), [
     # The series is saved every 10 steps: no calibration has phase moments for that schedule.
     ([], "no phase moments for interval 10 delta 10"),
-    (["--lr-warmup-iters", "100", "--lr-decay-style", "cosine"], "no phase moments for interval 10 delta 10"),
+    (["--lr-warmup-iters", "100", "--lr-decay-style", "cosine", "--lr", "2e-3"],
+     "no phase moments for interval 10 delta 10"),
 ])
 def test_the_summary_says_whether_the_early_phase_correction_applies(series, tmp_path, flags, phrase):
     out = tmp_path / "scan"

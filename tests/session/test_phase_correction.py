@@ -17,7 +17,7 @@ from mechmon_megatron.session.session import MonitoringSession
 from mechmon_megatron.session.writers import JsonlScalarWriter, WriterGroup
 from tests.session.test_session import ToyAttention, read_jsonl, run
 
-STUDY = TrainingSchedule(100, "cosine")  # the shipped calibration's schedule
+STUDY = TrainingSchedule(100, "cosine", 2e-3)  # the shipped calibration's schedule
 
 
 def _session(tmp_path, layers, schedule, **overrides) -> MonitoringSession:
@@ -47,14 +47,18 @@ def test_the_shipped_calibration_corrects_a_job_of_its_schedule(tmp_path, caplog
     assert detector is not None and detector.phase is not None
     assert (detector.phase.interval, detector.phase.delta, detector.phase.schedule) == (20, 100, STUDY)
     assert len(lines) == 1 and lines[0].startswith("[mechmon] detector: early-phase correction on: young baselines")
-    assert "100-step warm-up, cosine decay" in lines[0]
+    assert "100-step warm-up, cosine decay, peak learning rate 0.002" in lines[0]
 
 
 @pytest.mark.parametrize(("schedule", "overrides", "phrase"), [
     (None, {}, "the job's learning-rate schedule is unknown to mechmon: the early-phase correction"),
-    (TrainingSchedule(2000, "cosine"), {}, "this job has a 2000-step warm-up, cosine decay: the early-phase "
-                                           "correction is off"),
-    (TrainingSchedule(100, "WSD"), {}, "this job has a 100-step warm-up, WSD decay"),
+    (TrainingSchedule(2000, "cosine", 2e-3), {}, "this job has a 2000-step warm-up, cosine decay, peak learning "
+                                                 "rate 0.002: the early-phase correction is off"),
+    (TrainingSchedule(100, "WSD", 2e-3), {}, "this job has a 100-step warm-up, WSD decay"),
+    (TrainingSchedule(100, "cosine", 8e-3), {}, "this job has a 100-step warm-up, cosine decay, peak learning rate "
+                                                "0.008: the early-phase correction is off"),
+    (TrainingSchedule(100, "cosine"), {}, "the job's peak learning rate is unknown to mechmon: the early-phase "
+                                          "correction"),
     (STUDY, {"interval": 5, "delta": 5}, "no phase moments for interval 5 delta 5 (measured: interval 20 delta 100;"),
     (STUDY, {"interval": 100, "delta": 100}, "no phase moments for interval 100 delta 100"),
 ])
@@ -74,6 +78,18 @@ def test_a_calibration_file_without_phase_moments_keeps_working_with_one_line(tm
     assert detector is not None and detector.phase is None
     assert len(lines) == 1 and "the calibration has no phase moments (a file written before the early-phase " \
                                 "correction)" in lines[0] and "refit it with mechmon-calibrate" in lines[0]
+
+
+def test_a_calibration_file_of_the_first_design_without_a_peak_learning_rate_is_off_with_one_line(tmp_path, caplog):
+    table = load_tail_table().to_dict()
+    for entry in table["phase"]:
+        del entry["peak_lr"]
+    path = tmp_path / "first_design.json"
+    path.write_text(json.dumps(table))
+    detector, lines = _run(tmp_path, caplog, STUDY, detector_calibration=str(path))
+    assert detector is not None and detector.phase is None
+    assert len(lines) == 1 and "the phase moments do not record their peak learning rate" in lines[0], lines
+    assert "refit with mechmon-calibrate --lr" in lines[0]
 
 
 def test_a_young_baselines_residual_is_the_phase_bins_affine_map_of_the_uncorrected_one(tmp_path):

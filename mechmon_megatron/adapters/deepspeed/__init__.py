@@ -70,9 +70,10 @@ def attach(
     ``"mechmon"`` / ``"mechmon_alert"``). The abort folder is checked here too. Bad input raises
     ``ValueError`` naming the key. A disabled config returns an object that does nothing (a
     section written with ``"enabled": false`` says so in one line on rank 0). ``lr_schedule``:
-    the training loop's learning-rate warm-up and decay (DeepSpeed cannot say what a user's
-    scheduler does), which the early-phase correction compares with its calibration's; None: the
-    correction is off, and the writer says so in one line.
+    the training loop's learning-rate warm-up, decay and peak learning rate (DeepSpeed cannot
+    say what a user's scheduler does), which the early-phase correction compares with its
+    calibration's; None, or no peak learning rate: the correction is off, and the writer says so
+    in one line.
     """
     section: Any = None  # the "mechmon" section as written, when attach reads one
     if config is None or isinstance(config, (str, os.PathLike)):

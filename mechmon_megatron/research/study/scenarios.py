@@ -265,14 +265,16 @@ def get_preset(name: str) -> Preset:
 
 
 def schedule_of_flags(flags: Sequence[str]) -> TrainingSchedule:
-    """The learning-rate schedule of a trainer command line: its ``--lr-warmup-iters`` and
-    ``--lr-decay-style`` (the example trainer's defaults, 0 and ``cosine``, where absent)."""
+    """The learning-rate schedule of a trainer command line: its ``--lr-warmup-iters``,
+    ``--lr-decay-style`` and ``--lr`` (the example trainer's defaults, 0, ``cosine`` and 1e-3, where
+    absent)."""
     flags = list(flags)
 
     def flag(name: str, default: str) -> str:
         return flags[flags.index(name) + 1] if name in flags else default
 
-    return TrainingSchedule(int(flag("--lr-warmup-iters", "0")), flag("--lr-decay-style", "cosine"))
+    return TrainingSchedule(int(flag("--lr-warmup-iters", "0")), flag("--lr-decay-style", "cosine"),
+                            float(flag("--lr", "1e-3")))
 
 
 def trainer_flags(scenario: Scenario, preset: Preset, seed: int, train_iters: int) -> tuple[str, ...]:

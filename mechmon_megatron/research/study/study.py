@@ -95,7 +95,6 @@ def run_study(options: StudyOptions) -> dict[str, Any]:
         "mechmon_interval": options.preset.mechmon_interval,
         "mechmon_delta": options.preset.mechmon_delta,
         "fa_strength": options.preset.fa_strength,
-        "lr_schedule": asdict(schedule_of_flags(options.preset.model_flags)),
         "train_wall_s": None,
         "runs": [_spec_json(s, None) for s in specs],
     }
@@ -110,11 +109,15 @@ def run_study(options: StudyOptions) -> dict[str, Any]:
     return analyze_study(options.out_dir, plots_enabled=options.plots)
 
 
-def plan_schedule(plan: Mapping[str, Any]) -> Optional[TrainingSchedule]:
-    """The runs' learning-rate schedule a plan records (None in a plan written before it did: the
-    replays then judge young baselines uncorrected)."""
-    entry = plan.get("lr_schedule")
-    return None if not entry else TrainingSchedule(int(entry["lr_warmup_steps"]), str(entry["lr_decay_style"]))
+def run_schedule(plan: Mapping[str, Any], entry: Mapping[str, Any]) -> Optional[TrainingSchedule]:
+    """The learning-rate schedule of one run of a plan (``entry``: one of ``plan["runs"]``): its own
+    ``lr_schedule``, else the one a plan written before runs recorded theirs holds for all (without
+    a peak learning rate, so the replays judge young baselines uncorrected), else None."""
+    recorded = entry.get("lr_schedule") or plan.get("lr_schedule")
+    if not recorded:
+        return None
+    return TrainingSchedule(int(recorded["lr_warmup_steps"]), str(recorded["lr_decay_style"]),
+                            recorded.get("peak_lr"))
 
 
 def _write_plan(out_dir: str, plan: dict[str, Any]) -> None:
@@ -131,6 +134,7 @@ def _spec_json(spec: RunSpec, result: Optional[RunResult]) -> dict[str, Any]:
         "router_fault_onset": spec.router_fault_onset,
         "calibration": spec.calibration,
         "run_id": spec.run_id,
+        "lr_schedule": asdict(schedule_of_flags(spec.flags)),
         "returncode": None if result is None else result.returncode,
         "wall_s": None if result is None else result.wall_s,
         "error_tail": "" if result is None else result.tail,
@@ -164,7 +168,7 @@ def analyze_study(
                 data[entry["run_id"]], fault_onset=entry["fault_onset"],
                 router_fault_onset=entry.get("router_fault_onset"), setting=setting,
                 interval=plan.get("mechmon_interval") or 20, delta=plan.get("mechmon_delta") or 100,
-                schedule=plan_schedule(plan),
+                schedule=run_schedule(plan, entry),
             )
         )
         run.update(
@@ -240,7 +244,7 @@ def sensitivity(
             run = analysis.analyze_run(data[e["run_id"]], fault_onset=e["fault_onset"],
                                        router_fault_onset=e.get("router_fault_onset"), setting=setting,
                                        interval=plan.get("mechmon_interval") or 20,
-                                       delta=plan.get("mechmon_delta") or 100, schedule=plan_schedule(plan))
+                                       delta=plan.get("mechmon_delta") or 100, schedule=run_schedule(plan, e))
             runs.append({"scenario": e["scenario"], "seed": e["seed"], **run})
         rows.append({"setting": setting.to_dict(), "runs": runs})
     return rows

@@ -37,7 +37,7 @@ def test_the_healthy_runs_cover_whole_schedules(records):
 
 def test_shipped_null_tails_are_the_fit_of_the_calibration_runs(records):
     schedule = record_schedule(records[CALIBRATION_RUNS[0]])
-    assert schedule == TrainingSchedule(100, "cosine")
+    assert schedule == TrainingSchedule(100, "cosine", 2e-3)  # the flags of the calibration runs
     table, _ = calibrate_on_runs([records[r].data.checks for r in CALIBRATION_RUNS], INTERVAL, DELTA, shewhart=True,
                                  schedule=schedule)
     shipped = json.loads(json.dumps(load_tail_table().to_dict()))
