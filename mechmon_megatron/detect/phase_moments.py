@@ -44,11 +44,15 @@ from typing import Any, Optional
 from mechmon_megatron.detect.families import FAMILY_BY_NAME, FAMILY_NAMES
 
 __all__ = [
+    "ATTENTION_KINDS",
     "DEFAULT_BIN_STEPS",
+    "LATENT_ATTENTION",
     "MIN_BIN_SAMPLES",
     "PhaseBin",
     "PhaseTable",
+    "STANDARD_ATTENTION",
     "TrainingSchedule",
+    "attention_kind_of",
     "fit_phase_table",
     "phase_tables_from_list",
     "select_phase_table",
@@ -56,8 +60,19 @@ __all__ = [
 
 DEFAULT_BIN_STEPS = 200
 """Width of a phase bin (training steps): ten checks at interval 20."""
-ATTENTION_KINDS = ("standard", "mla")
-"""Attention kinds a phase table is measured on: multi-head / grouped-query, and latent (MLA)."""
+STANDARD_ATTENTION = "standard"
+"""Multi-head or grouped-query attention."""
+LATENT_ATTENTION = "mla"
+"""Multi-head latent attention (MLA): its Delta2 stream is the content part."""
+ATTENTION_KINDS = (STANDARD_ATTENTION, LATENT_ATTENTION)
+"""Attention kinds a phase table is measured on."""
+
+
+def attention_kind_of(latent: bool) -> str:
+    """The attention kind of a job or run: :data:`LATENT_ATTENTION` when any of its monitored layers
+    is latent (``latent``), else :data:`STANDARD_ATTENTION` (a job mixes no kinds in practice; the
+    latent one decides, so grouped-query moments never correct an MLA stream)."""
+    return LATENT_ATTENTION if latent else STANDARD_ATTENTION
 MIN_BIN_SAMPLES = 30
 """Young-baseline residuals a bin needs before its moments are used (fewer: the bin is left out)."""
 _MAD_TO_SIGMA = 1.4826
@@ -109,7 +124,7 @@ class PhaseTable:
     schedule: TrainingSchedule
     bin_steps: int
     families: Mapping[str, tuple[PhaseBin, ...]] = field(default_factory=dict)
-    attention: str = "standard"
+    attention: str = STANDARD_ATTENTION
     """The attention kind of the runs measured (:data:`ATTENTION_KINDS`)."""
     """Family -> its measured bins, sorted by ``start`` (bins with too few residuals are absent)."""
 
@@ -167,7 +182,7 @@ class PhaseTable:
         if not isinstance(families, Mapping):
             raise ValueError(f"{where}.families must be an object {{family: [[start, centre, scale, samples], ...]}}")
         bin_steps = integer("bin_steps", 1)
-        attention = data.get("attention", "standard")
+        attention = data.get("attention", STANDARD_ATTENTION)
         if attention not in ATTENTION_KINDS:
             raise ValueError(f"{where}.attention must be one of {list(ATTENTION_KINDS)}, got {attention!r}")
         checked: dict[str, tuple[PhaseBin, ...]] = {}
@@ -221,7 +236,7 @@ def fit_phase_table(
     schedule: TrainingSchedule,
     bin_steps: int = DEFAULT_BIN_STEPS,
     min_samples: int = MIN_BIN_SAMPLES,
-    attention: str = "standard",
+    attention: str = STANDARD_ATTENTION,
 ) -> PhaseTable:
     """The phase moments of healthy young-baseline residuals: ``residuals`` maps a family to its
     ``(training step, z)`` pairs (every young stream at every check of every healthy run,
@@ -250,7 +265,7 @@ def fit_phase_table(
 
 def select_phase_table(
     tables: Sequence[PhaseTable], interval: int, delta: int, schedule: Optional[TrainingSchedule],
-    attention: str = "standard",
+    attention: str = STANDARD_ATTENTION,
 ) -> tuple[Optional[PhaseTable], str]:
     """The table measured at the job's interval, delta, schedule and attention kind, and one line
     for the start-up log: why the correction is off (no table, no table for this check schedule,

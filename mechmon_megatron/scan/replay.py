@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 from mechmon_megatron.detect.config_error import ConfigError
 from mechmon_megatron.detect.families import FAMILIES
-from mechmon_megatron.detect.phase_moments import TrainingSchedule
+from mechmon_megatron.detect.phase_moments import STANDARD_ATTENTION, TrainingSchedule
 from mechmon_megatron.detect.pooled_cusum import PooledAlarm
 from mechmon_megatron.scan.config import scan_error, scan_flag
 from mechmon_megatron.scan.pairs import PairRecord
@@ -158,7 +158,7 @@ def _after_iteration(alarm: PooledAlarm, plan: ScanPlan) -> int:
 def replay(
     plan: ScanPlan, records: Mapping[int, Sequence[PairRecord]], attn_layers: Sequence[int],
     router_layers: Sequence[int], false_alarm_rate: float, calibration: Optional[str],
-    schedule: Optional[TrainingSchedule] = None, attention: str = "standard",
+    schedule: Optional[TrainingSchedule] = None, attention: str = STANDARD_ATTENTION,
 ) -> ReplayResult:
     """``records``: check step (later iteration) -> every layer's record of that pair;
     ``schedule`` and ``attention``: the run's learning-rate schedule and attention kind (the

@@ -20,6 +20,7 @@ from typing import Any, Optional
 import torch
 
 from mechmon_megatron.detect.config_error import ConfigError
+from mechmon_megatron.detect.phase_moments import attention_kind_of
 from mechmon_megatron.scan.cache import PairCache, fingerprint
 from mechmon_megatron.scan.config import ScanConfig, scan_error
 from mechmon_megatron.scan.errors import ScanInputError
@@ -263,7 +264,7 @@ def _run(config: ScanConfig, plan: ScanPlan, readers: list[CheckpointReader], la
                 cache.close()
     finally:
         progress.close()
-    attention = "mla" if any(readers[0].heads(L).mla is not None for L in layers) else "standard"
+    attention = attention_kind_of(any(readers[0].heads(L).mla is not None for L in layers))
     result = replay(plan, by_check, layers, routers, config.false_alarm_rate, config.detector_calibration,
                     config.lr_schedule, attention)
     summary = _summary(config, plan, readers, layers, routers, result, timing)

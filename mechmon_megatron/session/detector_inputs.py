@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from typing import Optional
 
 from mechmon_megatron.detect.families import FAMILIES, FAMILY_BY_NAME, FamilySpec
+from mechmon_megatron.detect.phase_moments import attention_kind_of
 from mechmon_megatron.detect.pooled_cusum import Observation
 from mechmon_megatron.session import names
 from mechmon_megatron.session.records import Stream
@@ -98,9 +99,6 @@ MLA_MARKER = f"{names.PREFIX}/attn/delta2_whole_entropy/"
 
 
 def attention_kind(checks: Iterable[tuple[int, Mapping[str, float]]]) -> str:
-    """``mla`` when a recorded run's checks hold a latent-attention layer's scalars, else
-    ``standard``: the attention kind its phase moments hold for (``detect.phase_moments``)."""
-    for _, scalars in checks:
-        if any(name.startswith(MLA_MARKER) for name in scalars):
-            return "mla"
-    return "standard"
+    """The attention kind a recorded run's phase moments hold for (``detect.phase_moments``): latent
+    when its checks hold a latent-attention layer's scalars."""
+    return attention_kind_of(any(name.startswith(MLA_MARKER) for _, scalars in checks for name in scalars))

@@ -24,7 +24,7 @@ from mechmon_megatron.detect.null_model import (
     load_tail_table,
     thresholds_for_job,
 )
-from mechmon_megatron.detect.phase_moments import PhaseTable, TrainingSchedule, select_phase_table
+from mechmon_megatron.detect.phase_moments import STANDARD_ATTENTION, PhaseTable, TrainingSchedule, select_phase_table
 from mechmon_megatron.detect.pooled_cusum import (
     MIN_WARMUP_CHECKS,
     WARMUP_STEPS,
@@ -237,7 +237,7 @@ def _check_tails(table: TailTable, overlap: int, family: str, shewhart: bool) ->
 
 
 def phase_for_job(config: MechmonConfig, table: TailTable, schedule: Optional[TrainingSchedule],
-                  attention: str = "standard") -> tuple[Optional[PhaseTable], str]:
+                  attention: str = STANDARD_ATTENTION) -> tuple[Optional[PhaseTable], str]:
     """The phase moments of ``table`` that match the job's check schedule, learning-rate
     ``schedule`` (None: the host could not say) and ``attention`` kind (``AttentionSite.attention``),
     and the one line the writer logs about them (``detect.phase_moments.select_phase_table``)."""

@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
+from mechmon_megatron.detect.phase_moments import STANDARD_ATTENTION
 from mechmon_megatron.monitors.mla_increment import MLAWeights
 from mechmon_megatron.monitors.norm_fold import NormFold
 from mechmon_megatron.monitors.router import summarize_routing
@@ -109,7 +110,7 @@ class AttentionSite:
     reports: Optional[bool] = None
     """Whether this rank does the layer's per-head or full-matrix work (sends records at a check);
     None: unknown (from ``snapshot_budget``, or assumed)."""
-    attention: str = "standard"
+    attention: str = STANDARD_ATTENTION
     """``standard`` (multi-head, grouped-query) or ``mla`` (multi-head latent attention, whose
     Delta2 stream is the content part): the early-phase correction holds for the kind it was
     measured on (``detect.phase_moments``)."""

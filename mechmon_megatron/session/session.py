@@ -24,7 +24,7 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from mechmon_megatron.detect.null_model import ThresholdAccount
-from mechmon_megatron.detect.phase_moments import TrainingSchedule
+from mechmon_megatron.detect.phase_moments import LATENT_ATTENTION, TrainingSchedule, attention_kind_of
 from mechmon_megatron.detect.pooled_cusum import PooledCusumDetector
 from mechmon_megatron.session.agreement import agree_collectives
 from mechmon_megatron.session.alert import Alert, AlertReport
@@ -108,7 +108,7 @@ class MonitoringSession:
         self._pending_abort: Optional[Decision] = None
         # Only the writer rank decides, so only it tells people (--mechmon-alert-webhook).
         webhook = WebhookPoster(config.alert_webhook) if (config.alert_webhook and self.comm.is_writer) else None
-        attention = "mla" if any(site.attention == "mla" for site in self.attention_sites) else "standard"
+        attention = attention_kind_of(any(site.attention == LATENT_ATTENTION for site in self.attention_sites))
         self._decision = WriterDecision(config, self.failures, self.writer, design, tail_table, webhook,
                                         phase_for_job(config, tail_table, schedule, attention))
         self._exchange = RecordExchange(self.comm, self.failures, self.rank, self._local_layers, reporting)

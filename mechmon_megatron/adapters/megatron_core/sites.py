@@ -31,6 +31,7 @@ from mechmon_megatron.adapters.megatron_core.discovery import FoundAttention, Fo
 from mechmon_megatron.adapters.megatron_core.mla_sites import MLAReader
 from mechmon_megatron.adapters.megatron_core.norms import GammaReader, NormSpec, UnsupportedLayout, norm_spec
 from mechmon_megatron.adapters.megatron_core.tp_gather import group_rank, group_size, read_and_gather_rows
+from mechmon_megatron.detect.phase_moments import LATENT_ATTENTION
 from mechmon_megatron.monitors.norm_fold import NormFold
 from mechmon_megatron.monitors.router import check_score_function
 from mechmon_megatron.session.collective_guard import CollectiveGuard
@@ -211,7 +212,7 @@ def _mla_site(item: FoundAttention, group: Any, full_matrix: bool, dp_rank: int,
     size = element_size if element_size is not None else (4 if main else param.element_size())
     return AttentionSite(item.layer_number, reader.read_heads, reader.read_full, item.name,
                          snapshot_budget=reader.budget(size, param.device),
-                         reports=reader.heads_owner or reader.full_owner, attention="mla")
+                         reports=reader.heads_owner or reader.full_owner, attention=LATENT_ATTENTION)
 
 
 def router_sites(
