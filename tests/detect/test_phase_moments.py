@@ -471,7 +471,12 @@ def test_the_shipped_table_holds_for_the_calibration_runs_peak_learning_rate_onl
 
 
 def test_a_job_with_any_latent_layer_is_of_the_latent_kind():
-    from mechmon_megatron.detect.phase_moments import ATTENTION_KINDS, LATENT_ATTENTION, STANDARD_ATTENTION, attention_kind_of
+    from mechmon_megatron.detect.phase_moments import (
+        ATTENTION_KINDS,
+        LATENT_ATTENTION,
+        STANDARD_ATTENTION,
+        attention_kind_of,
+    )
 
     assert ATTENTION_KINDS == (STANDARD_ATTENTION, LATENT_ATTENTION) == ("standard", "mla")  # the file's words
     assert attention_kind_of(True) == LATENT_ATTENTION and attention_kind_of(False) == STANDARD_ATTENTION
