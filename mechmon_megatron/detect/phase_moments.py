@@ -60,6 +60,9 @@ __all__ = [
 
 DEFAULT_BIN_STEPS = 200
 """Width of a phase bin (training steps): ten checks at interval 20."""
+MIN_BIN_SAMPLES = 30
+"""Young-baseline residuals a bin needs before its moments are used (fewer: the bin is left out)."""
+_MAD_TO_SIGMA = 1.4826
 STANDARD_ATTENTION = "standard"
 """Multi-head or grouped-query attention."""
 LATENT_ATTENTION = "mla"
@@ -73,9 +76,6 @@ def attention_kind_of(latent: bool) -> str:
     is latent (``latent``), else :data:`STANDARD_ATTENTION` (a job mixes no kinds in practice; the
     latent one decides, so grouped-query moments never correct an MLA stream)."""
     return LATENT_ATTENTION if latent else STANDARD_ATTENTION
-MIN_BIN_SAMPLES = 30
-"""Young-baseline residuals a bin needs before its moments are used (fewer: the bin is left out)."""
-_MAD_TO_SIGMA = 1.4826
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,9 +124,9 @@ class PhaseTable:
     schedule: TrainingSchedule
     bin_steps: int
     families: Mapping[str, tuple[PhaseBin, ...]] = field(default_factory=dict)
+    """Family -> its measured bins, sorted by ``start`` (bins with too few residuals are absent)."""
     attention: str = STANDARD_ATTENTION
     """The attention kind of the runs measured (:data:`ATTENTION_KINDS`)."""
-    """Family -> its measured bins, sorted by ``start`` (bins with too few residuals are absent)."""
 
     def bin_of(self, family: str, step: int) -> Optional[PhaseBin]:
         """The measured bin holding ``step`` for ``family``, or None (not measured: no correction)."""
