@@ -97,7 +97,7 @@ class ScanConfig:
     """Show a tqdm progress bar (checkpoints x layers) on stderr when it is a terminal."""
 
     lr_schedule: Optional[TrainingSchedule] = None
-    """The scanned run's learning-rate schedule (``--lr-warmup-iters`` and ``--lr-decay-style``),
+    """The scanned run's learning-rate schedule (``--lr-warmup-iters``, ``--lr-decay-style``, ``--lr``),
     which the early-phase correction compares with its calibration's; None: the correction is off
     (``summary.json`` notes say why)."""
 
