@@ -10,6 +10,7 @@ on rank 0, ``OUT/weights.pt``: ``{step: [{q_proj, k_proj, q_norm, k_norm} per la
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -66,3 +67,8 @@ def main(out: Path, stage: int, kinds: tuple[str, ...]) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), int(sys.argv[2]), tuple(sys.argv[3:]))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # As the DeepSpeed example leaves (its exit_now): DeepSpeed keeps its groups in module globals,
+    # and a gloo thread outliving them can abort the interpreter's teardown after all is written.
+    os._exit(0)
