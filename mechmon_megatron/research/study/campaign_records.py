@@ -49,9 +49,11 @@ def export_records(campaign_dir: str, dest: str, runs: Optional[list[CampaignRun
     paths = []
     for run_id, record in sorted(load_campaign(campaign_dir, runs).items()):
         d = record.data
+        run = dataclasses.asdict(record.run)
+        run["flags"] = [_portable(flag, campaign_dir) for flag in run["flags"]]
         body = {
             "version": RECORD_VERSION,
-            "run": dataclasses.asdict(record.run),
+            "run": run,
             "status": {k: v for k, v in record.status.items() if k in ("state", "last_iteration", "divergence")},
             "metrics": {
                 "iteration": d.steps,
@@ -70,6 +72,15 @@ def export_records(campaign_dir: str, dest: str, runs: Optional[list[CampaignRun
         os.replace(path + ".tmp", path)
         paths.append(path)
     return paths
+
+
+def _portable(flag: str, campaign_dir: str) -> str:
+    """A flag naming a file inside the campaign folder, relative to it (``provisional_null_tails.json``):
+    the records hold no path of the machine that trained them."""
+    root = os.path.abspath(campaign_dir)
+    if os.path.isabs(flag) and os.path.commonpath([root, os.path.abspath(flag)]) == root:
+        return os.path.relpath(flag, root)
+    return flag
 
 
 def load_record(path: str) -> CampaignRecord:
