@@ -1,6 +1,6 @@
 """Exported records hold no path of the machine that trained them: a flag naming a file inside the
 campaign folder is written relative to it; other flags, and paths outside it, are kept as given.
-The committed records of the early-phase study are checked too."""
+Every committed record is checked too."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ def test_a_path_inside_the_campaign_becomes_relative(tmp_path):
         assert _portable(kept, str(campaign)) == kept
 
 
-def test_the_committed_early_phase_records_name_no_machine_path():
-    files = glob.glob(os.path.join(ROOT, "docs", "data", "early_phase*", "*.json.gz"))
+def test_the_committed_records_name_no_machine_path():
+    files = glob.glob(os.path.join(ROOT, "docs", "data", "*", "*.json.gz"))
     assert files
     for path in files:
         with gzip.open(path, "rt", encoding="utf-8") as f:
