@@ -106,20 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _schedule(args: argparse.Namespace) -> Optional[TrainingSchedule]:
-    try:
-        return schedule_from_args(args)
-    except ValueError as exc:
-        raise CalibrationError(str(exc)) from None
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The console script: 0 fitted, 2 bad input (one line on stderr, see the module docstring)."""
     args = build_parser().parse_args(argv)
     try:
         config = CalibrateConfig(runs=tuple(args.runs), interval=args.interval, delta=args.delta, out=args.out,
                                  force=args.force, leave_one_out=args.leave_one_out, rate=args.rate,
-                                 schedule=_schedule(args))
+                                 schedule=schedule_from_args(args, CalibrationError))
         result = _run(config)
     except CalibrationError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)

@@ -12,7 +12,6 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from mechmon_megatron.detect.phase_moments import TrainingSchedule
 from mechmon_megatron.scan.config import SHARED_SETTINGS, ScanConfig, scan_flag
 from mechmon_megatron.scan.errors import ScanInputError
 from mechmon_megatron.session.config import argparse_kwargs
@@ -76,15 +75,8 @@ def config_from_args(args: argparse.Namespace) -> ScanConfig:
         num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, qk_head_dim=args.qk_head_dim,
         qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim, normalization=args.normalization,
         apply_layernorm_1p=args.apply_layernorm_1p, progress=not args.no_progress,
-        lr_schedule=_schedule(args),
+        lr_schedule=schedule_from_args(args, ScanInputError),
     )
-
-
-def _schedule(args: argparse.Namespace) -> Optional[TrainingSchedule]:
-    try:
-        return schedule_from_args(args)
-    except ValueError as exc:
-        raise ScanInputError(str(exc)) from None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -30,23 +30,23 @@ def add_schedule_flags(parser: argparse.ArgumentParser, whose: str) -> None:
     parser.add_argument("--lr", type=float, default=None, help=f"{whose} peak learning rate (Megatron's --lr)")
 
 
-def schedule_from_args(args: argparse.Namespace) -> Optional[TrainingSchedule]:
-    """The schedule the three flags name, or None when none is given. ``ValueError`` naming the
-    flags for some without the others, a negative warm-up, an empty style or a peak learning rate
-    that is not a finite number > 0."""
+def schedule_from_args(args: argparse.Namespace, error: type[Exception] = ValueError) -> Optional[TrainingSchedule]:
+    """The schedule the three flags name, or None when none is given. ``error`` (the tool's own
+    bad-input exception) naming the flags for some without the others, a negative warm-up, an
+    empty style or a peak learning rate that is not a finite number > 0."""
     values = dict(zip(SCHEDULE_FLAGS, (args.lr_warmup_iters, args.lr_decay_style, args.lr)))
     given = [flag for flag, value in values.items() if value is not None]
     if not given:
         return None
     if len(given) < len(SCHEDULE_FLAGS):
         missing = [flag for flag in SCHEDULE_FLAGS if flag not in given]
-        raise ValueError(f"{' and '.join(given)} needs {' and '.join(missing)} too (the phase moments hold "
-                         "for one schedule)")
+        raise error(f"{' and '.join(given)} needs {' and '.join(missing)} too (the phase moments hold "
+                    "for one schedule)")
     warmup, style, peak = values.values()
     if warmup < 0:
-        raise ValueError(f"--lr-warmup-iters must be >= 0 (steps), got {warmup}")
+        raise error(f"--lr-warmup-iters must be >= 0 (steps), got {warmup}")
     if not style.strip():
-        raise ValueError("--lr-decay-style must name the decay, e.g. cosine")
+        raise error("--lr-decay-style must name the decay, e.g. cosine")
     if not math.isfinite(peak) or peak <= 0:
-        raise ValueError(f"--lr must be a finite number > 0 (the peak learning rate), got {peak!r}")
+        raise error(f"--lr must be a finite number > 0 (the peak learning rate), got {peak!r}")
     return TrainingSchedule(warmup, style, peak)

@@ -39,7 +39,6 @@ import numpy as np
 
 from mechmon_megatron.calibrate.replay import CORE_FAMILIES, subsample, thresholds_at_rate
 from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE, TailTable, load_tail_table
-from mechmon_megatron.detect.phase_moments import select_phase_table
 from mechmon_megatron.detect.pooled_cusum import (
     PooledAlarm,
     PooledCusumDetector,
@@ -53,10 +52,10 @@ from mechmon_megatron.research.study.shipped_replay import (
     RECORDED_DELTA,
     RECORDED_INTERVAL,
     only_families,
-    record_schedule,
+    record_phase,
     replay_shipped,
 )
-from mechmon_megatron.session.detector_inputs import attention_kind, observations_from_scalars
+from mechmon_megatron.session.detector_inputs import observations_from_scalars
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..")
 DESIGN_DIRS = ("docs/data/detector_study", "docs/data/short_window_study", "docs/data/fa_s8_study")
@@ -77,8 +76,7 @@ def first_alarm_path(record: CampaignRecord, table: TailTable) -> tuple[Optional
     overlap = max(1, -(-RECORDED_DELTA // RECORDED_INTERVAL))
     thresholds, account = thresholds_at_rate(checks, RECORDED_INTERVAL, overlap, DEFAULT_FALSE_ALARM_RATE, table)
     config = default_sequential_config(RECORDED_INTERVAL)
-    phase, _ = select_phase_table(table.phase, RECORDED_INTERVAL, RECORDED_DELTA, record_schedule(record),
-                                  attention_kind(record.data.checks))
+    phase = record_phase(record, table)
     det = PooledCusumDetector(thresholds, config, warning_probability=account.warning_per_test_check_probability,
                               phase=phase)
     paths: dict[tuple[str, Optional[int]], Path] = {}  # (family, layer or None for the family test)

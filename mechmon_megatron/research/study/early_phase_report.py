@@ -35,10 +35,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
+from mechmon_megatron.detect.families import FAMILIES
 from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE, TailTable, load_tail_table
 from mechmon_megatron.research.study.campaign_data import CampaignRecord
 from mechmon_megatron.research.study.campaign_records import load_records
 from mechmon_megatron.research.study.detector_report import events, lead_share
+from mechmon_megatron.research.study.early_phase_plan import LR_SCENARIOS
 from mechmon_megatron.research.study.rule_footing import equal_footing
 from mechmon_megatron.research.study.shipped_replay import (
     LOGIT_RULE,
@@ -56,8 +58,8 @@ DESIGN_DIRS = ("docs/data/detector_study", "docs/data/short_window_study", "docs
 """The design records whose healthy 10,000-step runs set the rule's two thresholds."""
 RUN_STEPS = 10_000
 FA_RUN = re.compile(r"^fa-s(?P<ulps>\d+)-on(?P<onset>\d+)-seed\d+$")
-PRECISION_FAMILIES = ("attn_delta2", "attn_dw", "attn_delta2_short")
-ROUTER_FAMILIES = ("router_entropy", "router_weights")
+PRECISION_FAMILIES = tuple(spec.name for spec in FAMILIES if spec.monitor == "attn")
+"""The attention (precision-fault) families, from the family table."""
 
 
 @dataclass(frozen=True)
@@ -168,7 +170,7 @@ def early_phase_report(records: Mapping[str, CampaignRecord], table: Optional[Ta
                                 "alarms": [(a["step"], a["family"], a["level"]) for a in alarms]})
     lr = []
     for run_id, record in sorted(records.items()):
-        if record.run.run_id.startswith(("moe-lr-", "moe-router-lr-")):
+        if record.run.scenario in LR_SCENARIOS:
             alarms = replay_shipped(record, RECORDED_INTERVAL, table=table).alarms
             families = [a["family"] for a in alarms]
             lr.append({"run": run_id, "first_family": families[0] if families else None,

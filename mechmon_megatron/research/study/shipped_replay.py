@@ -30,7 +30,7 @@ from mechmon_megatron.calibrate.replay import (
     subsample,
 )
 from mechmon_megatron.detect.null_model import DEFAULT_FALSE_ALARM_RATE, TailTable, load_tail_table
-from mechmon_megatron.detect.phase_moments import TrainingSchedule, select_phase_table
+from mechmon_megatron.detect.phase_moments import PhaseTable, TrainingSchedule, select_phase_table
 from mechmon_megatron.research.study import rule_scores
 from mechmon_megatron.research.study.campaign_data import CampaignRecord
 from mechmon_megatron.research.study.detector_report import events, lead_share, operating_index, symptom_sweeps
@@ -83,6 +83,14 @@ def record_schedule(record: CampaignRecord) -> TrainingSchedule:
     return schedule_of_flags(record.run.flags)
 
 
+def record_phase(record: CampaignRecord, table: TailTable, interval: int = RECORDED_INTERVAL) -> Optional[PhaseTable]:
+    """The phase moments of ``table`` a session would apply to ``record`` checked every ``interval``
+    steps: its check and learning-rate schedule and attention kind (None: uncorrected)."""
+    phase, _ = select_phase_table(table.phase, interval, RECORDED_DELTA, record_schedule(record),
+                                  attention_kind(record.data.checks))
+    return phase
+
+
 def replay_shipped(record: CampaignRecord, interval: int = RECORDED_INTERVAL,
                    rate: float = DEFAULT_FALSE_ALARM_RATE, table: Optional[TailTable] = None) -> DetectorReplay:
     """The shipped detector on ``record`` at ``interval`` (a multiple of :data:`RECORDED_INTERVAL`;
@@ -94,9 +102,8 @@ def replay_shipped(record: CampaignRecord, interval: int = RECORDED_INTERVAL,
     overlap = max(1, -(-RECORDED_DELTA // interval))
     checks = subsample(only_families(record.data.checks, CORE_FAMILIES), RECORDED_INTERVAL, every)
     table = table or load_tail_table()
-    phase, _ = select_phase_table(table.phase, interval, RECORDED_DELTA, record_schedule(record),
-                                  attention_kind(record.data.checks))
-    out = replay_healthy(checks, interval, overlap, table, record.run.run_id, rate, phase=phase)
+    out = replay_healthy(checks, interval, overlap, table, record.run.run_id, rate,
+                         phase=record_phase(record, table, interval))
     out.steps = record.data.steps[-1] if record.data.steps else 0
     return out
 
